@@ -1,0 +1,46 @@
+"""Pretraining job: `python jobs/pretrain.py --config configs/demo.yaml [key=value ...]`.
+
+Under `ray job submit` it connects to that cluster; run directly it starts a local Ray instance
+with explicit small resources. Exit status 2 with a one-line message on a user error.
+"""
+
+import argparse
+import logging
+import os
+import sys
+
+import ray
+
+from raytrain_ft.config import load_config
+from raytrain_ft.errors import UserError
+from raytrain_ft.launch.trainer import WORKER_ENV, run
+
+
+def init_ray(num_cpus: int) -> None:
+    runtime_env = {"env_vars": WORKER_ENV}
+    if os.environ.get("RAY_ADDRESS"):  # set by `ray job submit` and by users of a running cluster
+        ray.init(runtime_env=runtime_env)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=None, help="YAML config file (default: built-in defaults)")
+    p.add_argument("--num-cpus", type=int, default=2, help="logical CPUs of a local Ray instance")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.max_steps=40")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args.config, args.overrides)
+        init_ray(args.num_cpus)
+        run_id = run(cfg)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"run {cfg.run.name} finished; MLflow run id {run_id}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""Async sharded checkpoints with `torch.distributed.checkpoint`, committed only when complete.
+
+Life of a checkpoint (see README "Fault-tolerance guarantees"):
+
+1. `save(step)`: `dcp.async_save` into `<root>/step-<N>` through an fsspec writer, on a dedicated
+   gloo group so checkpoint collectives never interleave with training collectives. The snapshot
+   (staging) is a copy; `wait_staged()` is called before the next optimizer step, so training
+   only stalls if the copy is not finished by then. At most one save is in flight: a new save
+   first finishes the previous one.
+2. `poll()` (every step) asks all ranks, with one small all-reduce on a second gloo group, whether
+   their write finished. DCP's coordinator writes `.metadata` only after every rank's write, so
+   "all done" means the folder is complete; only then is it committed through the `commit`
+   callback (Ray: `ray.train.report(..., checkpoint=..., NO_UPLOAD)`).
+3. On start, `cleanup()` deletes every `step-*` folder newer than the committed one or without
+   `.metadata` (a save that never completed), and `restore()` loads the committed checkpoint,
+   falling back to older complete ones when a file is corrupt.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import fsspec
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+from raytrain_ft.errors import CheckpointError
+from raytrain_ft.train_state import KEY_META, KEY_MODEL, RunMeta, TrainState
+
+log = logging.getLogger(__name__)
+
+STEP_PREFIX = "step-"
+METADATA_FILE = ".metadata"
+
+
+def step_path(root: str, step: int) -> str:
+    return f"{root.rstrip('/')}/{STEP_PREFIX}{step}"
+
+
+def step_of(path: str) -> int:
+    return int(path.rstrip("/").rsplit("/", 1)[-1][len(STEP_PREFIX) :])
+
+
+def list_step_dirs(root: str) -> dict[int, bool]:
+    """{step: complete} for every `step-N` folder under `root` (complete = has DCP metadata)."""
+    fs, base = fsspec.core.url_to_fs(root)
+    if not fs.exists(base):
+        return {}
+    out = {}
+    for p in fs.ls(base, detail=False):
+        name = p.rstrip("/").rsplit("/", 1)[-1]
+        if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX) :].isdigit():
+            out[int(name[len(STEP_PREFIX) :])] = fs.exists(f"{p}/{METADATA_FILE}")
+    return out
+
+
+def cleanup(root: str, committed_step: int) -> list[int]:
+    """Delete folders of saves that never committed; return their steps (rank 0 only)."""
+    fs, base = fsspec.core.url_to_fs(root)
+    removed = [s for s, complete in list_step_dirs(root).items() if s > committed_step or not complete]
+    for s in removed:
+        fs.rm(f"{base.rstrip('/')}/{STEP_PREFIX}{s}", recursive=True)
+    return sorted(removed)
+
+
+class _SlowWriter(FsspecWriter):
+    """Writer that sleeps before writing (fault injection: makes `kill_during_save` deterministic)."""
+
+    delay_s = 3.0
+
+    def write_data(self, plan, planner):
+        time.sleep(self.delay_s)
+        return super().write_data(plan, planner)
+
+
+class Checkpointer:
+    """One rank's side of async save, collective commit and restore.
+
+    Args:
+        root: the run's folder (local path or fsspec URL); checkpoints go to `root/step-N`.
+        commit: called on every rank with (step, path) once the checkpoint is complete.
+    """
+
+    def __init__(self, root: str, commit: Callable[[int, str], None]):
+        self.root, self.commit = root, commit
+        self.save_group = dist.new_group(backend="gloo")
+        self.control_group = dist.new_group(backend="gloo")
+        self.pending: tuple[int, str, object] | None = None  # (step, path, upload future)
+        self.staging = None  # future of the snapshot copy still in progress
+        self.last_stall_s = 0.0
+        cuda = torch.cuda.is_available()
+        # Pinned host memory + non-blocking copies on GPU; on CPU a plain background copy.
+        self.stager = DefaultStager(StagingOptions(cuda, False, True, cuda))
+
+    def save(self, step: int, state: TrainState, slow_writer: bool = False) -> None:
+        """Start an async save of `state` as `step-<step>` (finishes any earlier save first)."""
+        self.wait()
+        path = step_path(self.root, step)
+        writer = (_SlowWriter if slow_writer else FsspecWriter)(path)
+        t0 = time.perf_counter()
+        response = dcp.async_save(
+            state.snapshot(), storage_writer=writer, process_group=self.save_group, async_stager=self.stager
+        )
+        if isinstance(response, AsyncSaveResponse):
+            self.staging, upload = response.staging_completion, response.upload_completion
+        else:
+            self.staging, upload = None, response
+        self.last_stall_s = time.perf_counter() - t0
+        self.pending = (step, path, upload)
+
+    def wait_staged(self) -> None:
+        """Block until the snapshot copy is finished; call before anything mutates the state."""
+        if self.staging is not None:
+            t0 = time.perf_counter()
+            self.staging.result()
+            self.last_stall_s += time.perf_counter() - t0
+            self.staging = None
+
+    def poll(self) -> int | None:
+        """Commit the pending save if every rank finished writing; return its step if committed."""
+        if self.pending is None:
+            return None
+        flag = torch.tensor([int(self.pending[2].done())], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.control_group)
+        return self._commit() if flag.item() == 1 else None
+
+    def wait(self) -> int | None:
+        """Finish and commit the pending save, if any; return its step."""
+        if self.pending is None:
+            return None
+        self.wait_staged()
+        self.pending[2].result()
+        dist.barrier(group=self.control_group)
+        return self._commit()
+
+    def _commit(self) -> int:
+        step, path, upload = self.pending
+        upload.result()  # re-raises a failed write instead of committing it
+        self.pending = None
+        self.commit(step, path)
+        return step
+
+    def restore(
+        self, state: TrainState, candidates: list[str], on_corrupt: Callable[[str, str], None]
+    ) -> str | None:
+        """Load the first loadable checkpoint of `candidates` (newest first) into `state`.
+
+        A candidate that fails to load (truncated or corrupt file) is reported through
+        `on_corrupt(path, reason)` and the next one is tried.
+
+        Raises:
+            CheckpointError: a checkpoint from another model/dataset, or none of the candidates loads.
+        """
+        for path in candidates:
+            try:
+                self._check_compatible(path, state)
+                dcp.load(self._loadable(path, state), storage_reader=FsspecReader(path), process_group=self.save_group)
+                return path
+            except CheckpointError:
+                raise
+            except Exception as e:  # DCP wraps per-rank read errors in CheckpointException
+                reason = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+                log.error("checkpoint %s failed to load (%s); falling back to the previous one", path, reason)
+                on_corrupt(path, reason)
+        if candidates:
+            raise CheckpointError(
+                f"none of the committed checkpoints under {self.root} loads; "
+                "delete the run folder (or pick a new run.name) to start from scratch"
+            )
+        return None
+
+    def _loadable(self, path: str, state: TrainState) -> dict:
+        """The components present in the checkpoint (a new rank after a resize has no RNG entry)."""
+        saved = FsspecReader(path).read_metadata().state_dict_metadata
+        return {k: c for k, c in state.components.items() if any(s.startswith(k + ".") for s in saved)}
+
+    def _check_compatible(self, path: str, state: TrainState) -> None:
+        current: RunMeta = state.components[KEY_META]
+        saved = RunMeta(fingerprint={})
+        dcp.load({KEY_META: saved}, storage_reader=FsspecReader(path), process_group=self.save_group)
+        diff = {k: (saved.fingerprint.get(k), v) for k, v in current.fingerprint.items() if saved.fingerprint.get(k) != v}
+        if diff:
+            what = ", ".join(f"{k}: checkpoint {a} vs config {b}" for k, (a, b) in diff.items())
+            raise CheckpointError(
+                f"checkpoint {path} belongs to a different model or dataset ({what}); "
+                "use the original settings or a new run.name"
+            )
+        current.mlflow_run_id = current.mlflow_run_id or saved.mlflow_run_id
+
+
+def load_model_state_dict(checkpoint_dir: str) -> dict[str, torch.Tensor]:
+    """The model weights of any checkpoint folder, as CPU tensors keyed like the HF model's `state_dict`.
+
+    Raises:
+        CheckpointError: the folder is not a complete checkpoint.
+    """
+    return _load_prefixed(checkpoint_dir, KEY_MODEL)
+
+
+def load_tensors(checkpoint_dir: str, prefix: str) -> dict[str, torch.Tensor]:
+    """Every tensor under a top-level key (e.g. `optim`) of a checkpoint, flattened keys, CPU."""
+    return _load_prefixed(checkpoint_dir, prefix)
+
+
+def _load_prefixed(checkpoint_dir: str, prefix: str) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        meta = FsspecReader(checkpoint_dir).read_metadata()
+    except FileNotFoundError:
+        raise CheckpointError(f"{checkpoint_dir} is not a complete checkpoint (no {METADATA_FILE})") from None
+    tensors = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in meta.state_dict_metadata.items()
+        if k.startswith(prefix + ".") and isinstance(m, TensorStorageMetadata)
+    }
+    dcp.load(tensors, storage_reader=FsspecReader(checkpoint_dir), no_dist=True)
+    return {k[len(prefix) + 1 :]: v for k, v in tensors.items()}

@@ -1,0 +1,41 @@
+"""User-facing errors: each one is a single line saying what is wrong and how to fix it.
+
+Entry points (`jobs/*.py`, the `raytrain-ft` CLI) catch `UserError`, print its message on one
+line and exit with status 2; no traceback from deep inside Ray reaches the user.
+"""
+
+
+class UserError(Exception):
+    """A problem the user can fix (bad config, missing data, incompatible checkpoint)."""
+
+
+class ConfigError(UserError):
+    """An unknown config key, a value of the wrong type, or an inconsistent setting."""
+
+
+class DataError(UserError):
+    """A dataset that is missing, empty or unreadable."""
+
+
+class CheckpointError(UserError):
+    """No loadable checkpoint is left, or a checkpoint belongs to another model or dataset."""
+
+
+def find_user_error(exc: BaseException) -> UserError | None:
+    """Return the first `UserError` in `exc`'s cause/context chain (Ray wraps worker errors)."""
+    seen: set[int] = set()
+    stack: list[BaseException] = [exc]
+    while stack:
+        e = stack.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, UserError):
+            return e
+        for attr in ("cause", "__cause__", "__context__"):
+            nxt = getattr(e, attr, None)
+            if isinstance(nxt, BaseException):
+                stack.append(nxt)
+        for nxt in getattr(e, "worker_failures", {}).values() if hasattr(e, "worker_failures") else ():
+            stack.append(nxt)
+    return None

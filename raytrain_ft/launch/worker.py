@@ -1,0 +1,54 @@
+"""Ray Train worker entry point: a `Session` backed by Ray Train and Ray Data, then `loop.train`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import ray.train
+import torch
+from ray.train import Checkpoint, CheckpointUploadMode
+
+from raytrain_ft import loop
+from raytrain_ft.config import from_dict
+from raytrain_ft.data.manifest import load_manifest
+from raytrain_ft.data.position import BatchPlan
+from raytrain_ft.launch.datasource import rank_micro_batches
+
+
+class RaySession:
+    """`raytrain_ft.session.Session` for a Ray Train worker."""
+
+    def __init__(self, data_path: str, seed: int):
+        ctx = ray.train.get_context()
+        self.rank = ctx.get_world_rank()
+        self.run_root = ctx.get_storage().experiment_fs_path
+        self.data_path, self.seed = data_path, seed
+        self.manifest = load_manifest(data_path)
+
+    def latest_checkpoint(self) -> str | None:
+        checkpoint = ray.train.get_checkpoint()
+        return checkpoint.path if checkpoint else None
+
+    def commit(self, step: int, path: str, metrics: dict[str, float]) -> None:
+        # The DCP files already live in the experiment folder: register them without a copy.
+        ray.train.report(
+            metrics,
+            checkpoint=Checkpoint.from_directory(path),
+            checkpoint_dir_name=path.rstrip("/").rsplit("/", 1)[-1],
+            checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
+        )
+
+    def flush(self) -> None:
+        # Each worker's result queue holds one report: this put returns only after the
+        # controller consumed the previous report (and so committed its checkpoint).
+        ray.train.report({})
+
+    def micro_batches(self, epoch: int, start: int, stop: int, plan: BatchPlan) -> Iterator[dict[str, torch.Tensor]]:
+        return rank_micro_batches(self.data_path, self.manifest, self.seed, epoch, start, stop, plan, self.rank)
+
+
+def train_func(args: dict) -> None:
+    """`train_loop_per_worker` of the `TorchTrainer` (args: config dict, tracking URI, run id)."""
+    cfg = from_dict(args["config"])
+    session = RaySession(cfg.data.path, cfg.train.seed)
+    loop.train(cfg, session, args["tracking_uri"], args["mlflow_run_id"])

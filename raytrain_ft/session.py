@@ -1,0 +1,34 @@
+"""What the training loop needs from its runtime: the only seam between the loop and Ray.
+
+The loop depends on `torch.distributed` and on this protocol; `raytrain_ft.launch.worker`
+implements it with Ray Train and Ray Data. Another runtime (torchrun) would implement the same five
+members.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+
+from raytrain_ft.data.position import BatchPlan
+
+
+class Session(Protocol):
+    run_root: str  # the run's folder (local path or fsspec URL): checkpoints, fault markers, run id
+
+    def latest_checkpoint(self) -> str | None:
+        """Path of the latest committed checkpoint, or None on a fresh start."""
+
+    def commit(self, step: int, path: str, metrics: dict[str, float]) -> None:
+        """Register a complete checkpoint (called on every rank with the same arguments)."""
+
+    def flush(self) -> None:
+        """Return once every earlier commit has been acknowledged (called on every rank)."""
+
+    def micro_batches(self, epoch: int, start: int, stop: int, plan: BatchPlan) -> Iterator[dict[str, torch.Tensor]]:
+        """This rank's micro-batches for positions [start, stop) of `epoch`, in order.
+
+        Each item: `tokens` int64 (micro_batch_size, seq_len + 1), `sample_id` int64 (micro_batch_size,).
+        """

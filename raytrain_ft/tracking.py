@@ -1,0 +1,98 @@
+"""MLflow tracking: one MLflow run per training run, across restarts and resubmissions.
+
+The driver creates the run (or reuses the id stored in `<run folder>/mlflow_run_id`) and logs the
+config as params; rank 0 logs step metrics with `MlflowClient.log_batch` (a worker must not call
+`mlflow.start_run`, whose exit would mark the run finished); the Ray Train controller callback
+records failures; the driver sets the final status. Default store: `sqlite:///<cwd>/mlflow.db`
+(MLflow 3 refuses the plain file store); view it with
+`mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import fsspec
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+
+RUN_ID_FILE = "mlflow_run_id"
+EVENTS_FILE = "events.json"
+
+
+def resolve_uri(uri: str) -> str:
+    """The tracking URI to use everywhere: `uri`, or an absolute sqlite path in the current folder."""
+    return uri or f"sqlite:///{os.path.abspath('mlflow.db')}"
+
+
+def start_or_resume_run(uri: str, experiment: str, run_root: str, run_name: str, params: dict) -> str:
+    """Return the MLflow run id of this training run, creating the run on first submission."""
+    client = MlflowClient(uri)
+    fs, base = fsspec.core.url_to_fs(run_root)
+    id_file = f"{base.rstrip('/')}/{RUN_ID_FILE}"
+    if fs.exists(id_file):
+        run_id = fs.cat_file(id_file).decode().strip()
+        client.update_run(run_id, status="RUNNING")
+        return run_id
+    exp = client.get_experiment_by_name(experiment)
+    exp_id = exp.experiment_id if exp else client.create_experiment(experiment, _artifact_root(uri))
+    run_id = client.create_run(exp_id, run_name=run_name).info.run_id
+    client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
+    fs.makedirs(base, exist_ok=True)
+    with fs.open(id_file, "w") as f:
+        f.write(run_id)
+    return run_id
+
+
+def _artifact_root(uri: str) -> str | None:
+    """Artifacts beside a sqlite store, as an absolute path (Ray workers run in other folders)."""
+    if uri.startswith("sqlite:///"):
+        return os.path.join(os.path.dirname(uri[len("sqlite:///") :]), "mlartifacts")
+    return None
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """{"train": {"lr": 1}} -> {"train.lr": 1} (MLflow params are flat)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+class RunLogger:
+    """Logs to an existing MLflow run by id (safe from Ray workers and the controller)."""
+
+    def __init__(self, uri: str, run_id: str):
+        self.client, self.run_id = MlflowClient(uri), run_id
+
+    def metrics(self, step: int, values: dict[str, float]) -> None:
+        ts = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), ts, step) for k, v in values.items()])
+
+    def tags(self, values: dict[str, str]) -> None:
+        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)[:5000]) for k, v in values.items()])
+
+    def latest(self, key: str, default: float = 0.0) -> float:
+        return self.client.get_run(self.run_id).data.metrics.get(key, default)
+
+    def event(self, kind: str, **fields) -> None:
+        """Append an event (failure, corrupt checkpoint, ...) to the run's `events.json` artifact."""
+        events = self.events()
+        events.append({"time": time.time(), "kind": kind, **fields})
+        self.client.log_dict(self.run_id, events, EVENTS_FILE)
+
+    def events(self) -> list[dict]:
+        try:
+            path = self.client.download_artifacts(self.run_id, EVENTS_FILE)
+        except Exception:  # no events yet: MLflow raises its own not-found errors per store
+            return []
+        with open(path) as f:
+            return json.load(f)
+
+    def finish(self, status: str) -> None:
+        self.client.set_terminated(self.run_id, status=status)

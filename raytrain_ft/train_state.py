@@ -1,0 +1,148 @@
+"""Everything a checkpoint holds, under named keys, as `torch.distributed.checkpoint` Statefuls.
+
+Tensor state (model weights, AdamW's m and v) goes through
+`torch.distributed.checkpoint.state_dict`'s `get_*_state_dict` / `set_*_state_dict`, so DCP shards
+and reshards it. Every other component (LR scheduler, step, data position, RNG states, guards,
+run metadata) is pickled to bytes when the snapshot is taken: the bytes are immutable, so training
+may continue while the writer runs. RNG states differ per rank and live under `rng.rank{R}`.
+Adding a component is one `TrainState.add(KEY, stateful)` line.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+KEY_MODEL = "model"
+KEY_OPTIM = "optim"
+KEY_SCHEDULER = "scheduler"
+KEY_PROGRESS = "progress"
+KEY_DATA = "data"
+KEY_SCALER = "grad_scaler"
+KEY_META = "meta"
+KEY_RNG_PREFIX = "rng.rank"
+
+
+def rng_key(rank: int) -> str:
+    return f"{KEY_RNG_PREFIX}{rank}"
+
+
+class ModelState(Stateful):
+    """The model's weights, keys as the unwrapped HF model's `state_dict` (DDP prefix removed)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        set_model_state_dict(self.model, state)
+
+
+class OptimizerState(Stateful):
+    """AdamW state (step, exp_avg = m, exp_avg_sq = v) keyed by parameter name, so it reshards."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+class Pickled(Stateful):
+    """Wraps an object with `state_dict`/`load_state_dict`; its state is saved as one bytes leaf."""
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def state_dict(self) -> dict[str, bytes]:
+        return {"pickle": pickle.dumps(self.obj.state_dict())}
+
+    def load_state_dict(self, state: dict[str, bytes]) -> None:
+        self.obj.load_state_dict(pickle.loads(state["pickle"]))
+
+
+@dataclass
+class Progress:
+    """Optimizer steps taken (skipped steps included)."""
+
+    step: int = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+
+class RNGState:
+    """python `random`, numpy, torch CPU and every CUDA device's generator state of this rank."""
+
+    def state_dict(self) -> dict:
+        return {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if state["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_rngs(seed: int, rank: int) -> None:
+    """Fresh-start seeding: every generator from (seed, rank), so dropout differs across ranks."""
+    random.seed(seed * 1000 + rank)
+    np.random.seed(seed * 1000 + rank)
+    torch.manual_seed(seed * 1000 + rank)
+
+
+@dataclass
+class RunMeta:
+    """What must match between a checkpoint and the run loading it, plus the MLflow run id."""
+
+    fingerprint: dict
+    mlflow_run_id: str = ""
+
+    def state_dict(self) -> dict:
+        return {"json": json.dumps({"fingerprint": self.fingerprint, "mlflow_run_id": self.mlflow_run_id})}
+
+    def load_state_dict(self, state: dict) -> None:
+        d = json.loads(state["json"])
+        self.fingerprint, self.mlflow_run_id = d["fingerprint"], d["mlflow_run_id"]
+
+
+class TrainState:
+    """The named components of one rank's train state."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.components: dict[str, Stateful] = {}
+
+    def add(self, key: str, component: Stateful) -> None:
+        self.components[key] = component
+
+    def snapshot(self) -> dict[str, Any]:
+        """State dict for `dcp.async_save`: tensors by reference (DCP stages them), the rest as bytes."""
+        return {key: c.state_dict() for key, c in self.components.items()}
