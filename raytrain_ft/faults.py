@@ -5,9 +5,9 @@ Kinds: `raise` (an exception in the training loop), `kill` (SIGKILL of the worke
 async write is in flight; `step` must be a checkpoint step). Each fault fires once per run: the
 firing rank writes `<run folder>/faults/<index>.fired` first, so the restarted attempt passes it.
 
-Before a step with a pending fault every rank calls `flush()` (in Ray: one more `report()`), which
-returns once earlier checkpoint commits were acknowledged; so the step a test expects the run to
-resume from does not depend on timing. Real failures get no such courtesy, and resume is correct
+Before a step with a pending fault every rank calls `settle()`: the loop finishes its in-flight save
+and waits until Ray acknowledged the commit (one more `report()`), so the step a test expects the
+run to resume from does not depend on timing. Real failures get no such courtesy, and resume is correct
 from any older committed checkpoint (see the bitwise-resume tests).
 """
 
@@ -45,12 +45,12 @@ class FaultInjector:
         with self.fs.open(f"{self.marker_dir}/{index}.fired", "w") as f:
             f.write(str(time.time()))
 
-    def before_step(self, step: int, flush: Callable[[], None]) -> None:
+    def before_step(self, step: int, settle: Callable[[], object]) -> None:
         """Fire `raise` / `kill` faults due at `step` (called on every rank)."""
         due = self._pending(step, ("raise", "kill"))
         if not due:
             return
-        flush()  # a barrier: every rank has checked the markers before any is written
+        settle()  # also a barrier: every rank has checked the markers before any is written
         for i, f in due:
             if f.rank == self.rank:
                 self._mark(i)

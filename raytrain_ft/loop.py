@@ -132,7 +132,7 @@ def train(cfg: Config, session: Session, tracking_uri: str, mlflow_run_id: str) 
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     while progress.step < cfg.train.max_steps:
         step = progress.step + 1
-        faults.before_step(step, session.flush)
+        faults.before_step(step, settle=lambda: (checkpointer.wait(), session.flush()))
         t0 = time.perf_counter()
         micro_batches = next(batches)
         loss = torch.zeros((), device=device)

@@ -1,0 +1,60 @@
+"""Shared fixtures: a small real dataset, one real local Ray instance, config and MLflow helpers."""
+
+from __future__ import annotations
+
+import glob
+import os
+import sysconfig
+
+import pytest
+import ray
+from mlflow.tracking import MlflowClient
+
+from raytrain_ft.config import load_config
+from raytrain_ft.data.prepare import PrepareSettings, prepare
+from raytrain_ft.launch.trainer import WORKER_ENV
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STDLIB_JSON = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory) -> str:
+    """~600 samples of 33 tokens from the stdlib `json` package, vocab 512."""
+    out = str(tmp_path_factory.mktemp("data") / "tiny")
+    prepare(STDLIB_JSON, out, PrepareSettings(seq_len=32, vocab_size=512))
+    return out
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray instance for the in-process training tests (3 logical CPUs on 2 cores)."""
+    ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def make_config(tmp_path, dataset: str, *overrides: str):
+    """The tiny test config with its run, data and MLflow store inside `tmp_path`."""
+    return load_config(
+        os.path.join(REPO, "configs", "tiny.yaml"),
+        [
+            f"data.path={dataset}",
+            f"run.storage_path={tmp_path / 'runs'}",
+            f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            *overrides,
+        ],
+    )
+
+
+def metric_by_step(cfg, run_id: str, key: str) -> dict[int, float]:
+    """{step: value} of a metric; for a step logged twice (re-run after a restart) the later one."""
+    history = MlflowClient(cfg.tracking.uri).get_metric_history(run_id, key)
+    out = {}
+    for m in sorted(history, key=lambda m: m.timestamp):
+        out[m.step] = m.value
+    return out
+
+
+def step_dirs(cfg) -> list[str]:
+    return sorted(glob.glob(os.path.join(cfg.run.storage_path, cfg.run.name, "step-*")))

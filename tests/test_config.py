@@ -1,0 +1,41 @@
+import pytest
+
+from raytrain_ft.config import from_dict, load_config, to_dict, valid_keys
+from raytrain_ft.errors import ConfigError
+
+
+def test_defaults_and_overrides_merge():
+    cfg = load_config(None, ["train.max_steps=7", "scaling.num_workers=[1,3]", "faults=[{kind: kill, step: 3, rank: 1}]"])
+    assert cfg.train.max_steps == 7
+    assert cfg.worker_range == (1, 3)
+    assert cfg.faults[0].kind == "kill" and cfg.faults[0].rank == 1
+    assert from_dict(to_dict(cfg)) == cfg
+
+
+def test_unknown_key_names_the_closest_valid_one():
+    with pytest.raises(ConfigError, match=r"unknown config key 'train\.max_step'; did you mean 'train\.max_steps'\?"):
+        load_config(None, ["train.max_step=5"])
+
+
+def test_wrong_type_names_the_key():
+    with pytest.raises(ConfigError, match=r"config key 'train\.max_steps'.*'abc'"):
+        load_config(None, ["train.max_steps=abc"])
+
+
+@pytest.mark.parametrize("bad", ["scaling.num_workers=[3,1]", "scaling.num_workers=0", "train.global_batch_size=0"])
+def test_invalid_values(bad):
+    with pytest.raises(ConfigError):
+        load_config(None, [bad])
+
+
+def test_unknown_fault_kind():
+    with pytest.raises(ConfigError, match="valid kinds: raise, kill, kill_during_save"):
+        load_config(None, ["faults=[{kind: boom, step: 3}]"])
+
+
+def test_valid_keys_cover_the_contract():
+    for key in ["run.name", "run.storage_path", "data.path", "model.preset", "model.dropout", "train.max_steps",
+                "train.global_batch_size", "train.micro_batch_size", "train.seq_len", "train.seed", "train.lr",
+                "scaling.num_workers", "scaling.use_gpu", "checkpoint.interval_steps", "checkpoint.num_to_keep",
+                "failure.max_failures", "tracking.uri", "tracking.experiment", "faults"]:
+        assert key in valid_keys()

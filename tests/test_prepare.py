@@ -1,0 +1,73 @@
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import REPO, STDLIB_JSON
+from raytrain_ft.data.manifest import load_manifest
+from raytrain_ft.data.prepare import PrepareSettings, prepare
+from raytrain_ft.errors import DataError
+
+
+def test_samples_dense_unique_fixed_length(dataset):
+    m = load_manifest(dataset)
+    tables = [pq.read_table(os.path.join(dataset, s.file)) for s in m.shards]
+    ids = np.concatenate([t.column("sample_id").to_numpy() for t in tables])
+    assert np.array_equal(np.sort(ids), np.arange(m.num_samples))
+    assert sum(len(t) for t in tables) == m.num_samples == sum(s.num_samples for s in m.shards)
+    for t, s in zip(tables, m.shards, strict=True):
+        assert t.column("tokens").type.list_size == m.seq_len + 1 == 33
+        assert t.column("sample_id")[0].as_py() == s.first_sample_id
+        assert pq.ParquetFile(os.path.join(dataset, s.file)).metadata.num_row_groups == len(s.row_group_rows)
+    tokens = np.stack(tables[0].column("tokens").to_numpy(zero_copy_only=False))
+    assert tokens.max() < m.vocab_size and (tokens == m.eos_token_id).any()
+
+
+def test_rerun_reuses_and_new_settings_replace(tmp_path):
+    out = str(tmp_path / "ds")
+    first, reused = prepare(STDLIB_JSON, out, PrepareSettings(seq_len=32, vocab_size=300))
+    assert not reused
+    mtime = os.path.getmtime(os.path.join(out, "shard-00000.parquet"))
+    again, reused = prepare(STDLIB_JSON, out, PrepareSettings(seq_len=32, vocab_size=300))
+    assert reused and again == first and os.path.getmtime(os.path.join(out, "shard-00000.parquet")) == mtime
+    other, reused = prepare(STDLIB_JSON, out, PrepareSettings(seq_len=16, vocab_size=300))
+    assert not reused and other.seq_len == 16 and other.fingerprint != first.fingerprint
+    assert json.load(open(os.path.join(out, "manifest.json")))["seq_len"] == 16
+    assert [p for p in os.listdir(tmp_path) if "partial" in p] == []
+
+
+def test_jsonl_and_parquet_inputs(tmp_path):
+    import pyarrow as pa
+
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"text": "def f(x):\n    return x * 2\n" * 20}) for _ in range(5)))
+    pq.write_table(pa.table({"text": ["class A:\n    pass\n" * 30] * 4}), tmp_path / "b.parquet")
+    m, _ = prepare(str(tmp_path), str(tmp_path / "out"), PrepareSettings(seq_len=16, vocab_size=300))
+    assert m.num_samples > 10
+
+
+def run_prepare(*args):
+    return subprocess.run([sys.executable, os.path.join(REPO, "jobs", "prepare_data.py"), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_no_matching_files_is_one_line_error(tmp_path):
+    r = run_prepare("--input", str(tmp_path / "nothing" / "*.txt"), "--output", str(tmp_path / "o"))
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [f"error: no input files match {tmp_path}/nothing/*.txt (supported: .txt, .md, .py, .jsonl, .parquet)"]
+
+
+def test_empty_documents_is_one_line_error(tmp_path):
+    (tmp_path / "a.txt").write_text("   \n")
+    r = run_prepare("--input", str(tmp_path / "*.txt"), "--output", str(tmp_path / "o"))
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: all 1 input files")
+    assert "Traceback" not in r.stderr  # progress-bar lines may precede the one error line
+
+
+def test_unreadable_parquet_raises_data_error(tmp_path):
+    (tmp_path / "bad.parquet").write_bytes(b"not a parquet file")
+    with pytest.raises(DataError, match="cannot read .*bad.parquet as parquet"):
+        prepare(str(tmp_path / "*.parquet"), str(tmp_path / "o"), PrepareSettings(seq_len=16, vocab_size=300))

@@ -1,0 +1,102 @@
+"""End-to-end runs on a real local Ray instance: 2 gloo workers, tiny Llama, real DCP files, SQLite MLflow."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from conftest import make_config, metric_by_step, step_dirs
+from raytrain_ft.checkpoint import load_model_state_dict, load_tensors, step_path
+from raytrain_ft.launch.trainer import RunFailed, run
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+def final_state(cfg, step: int) -> dict[str, torch.Tensor]:
+    path = step_path(os.path.join(cfg.run.storage_path, cfg.run.name), step)
+    return {**load_model_state_dict(path), **{f"optim.{k}": v for k, v in load_tensors(path, "optim").items()}}
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and len(a) > 20
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, dataset):
+    """The uninterrupted 30-step run every resume test compares against."""
+    tmp = tmp_path_factory.mktemp("reference")
+    cfg = make_config(tmp, dataset, "run.name=ref", "train.max_steps=30")
+    run_id = run(cfg)
+    return cfg, run_id, final_state(cfg, 30)
+
+
+def test_twenty_steps_complete_and_loss_falls(tmp_path, dataset):
+    cfg = make_config(tmp_path, dataset, "train.max_steps=20")
+    run_id = run(cfg)
+    losses = MlflowClient(cfg.tracking.uri).get_metric_history(run_id, "loss")
+    assert sorted(m.step for m in losses) == list(range(1, 21))
+    by_step = {m.step: m.value for m in losses}
+    assert by_step[20] < by_step[1]
+    assert MlflowClient(cfg.tracking.uri).get_run(run_id).info.status == "FINISHED"
+
+
+def test_kill_restarts_from_last_committed_checkpoint(tmp_path, dataset):
+    cfg = make_config(tmp_path, dataset, "train.max_steps=20", "faults=[{kind: kill, step: 12, rank: 1}]")
+    run_id = run(cfg)
+    run_data = MlflowClient(cfg.tracking.uri).get_run(run_id).data
+    assert run_data.metrics["restarts"] == 1
+    assert "rank 1" in run_data.tags["last_failure_cause"]
+    resumed = MlflowClient(cfg.tracking.uri).get_metric_history(run_id, "resumed_from_step")
+    assert sorted(m.value for m in resumed) == [0, 10]
+    assert sorted(metric_by_step(cfg, run_id, "loss")) == list(range(1, 21))
+
+
+@pytest.mark.parametrize(
+    "faults",
+    [
+        "[{kind: kill, step: 17, rank: 1}]",
+        "[{kind: kill, step: 17, rank: 1}, {kind: raise, step: 24, rank: 0}]",
+    ],
+    ids=["one-failure", "two-failures"],
+)
+def test_interrupted_run_is_bitwise_identical(tmp_path, dataset, reference, faults):
+    ref_cfg, ref_run, ref_state = reference
+    cfg = make_config(tmp_path, dataset, "train.max_steps=30", f"faults={faults}")
+    run_id = run(cfg)
+    assert_same_state(final_state(cfg, 30), ref_state)
+    ref_loss, loss = metric_by_step(ref_cfg, ref_run, "loss"), metric_by_step(cfg, run_id, "loss")
+    assert [loss[s] for s in range(16, 31)] == [ref_loss[s] for s in range(16, 31)]
+    assert metric_by_step(cfg, run_id, "lr")[30] == metric_by_step(ref_cfg, ref_run, "lr")[30]
+    assert MlflowClient(cfg.tracking.uri).get_run(run_id).data.metrics["restarts"] == faults.count("kind")
+
+
+def test_kill_during_save_never_loads_the_partial_folder(tmp_path, dataset, reference):
+    cfg = make_config(tmp_path, dataset, "train.max_steps=30", "faults=[{kind: kill_during_save, step: 10, rank: 1}]")
+    run_id = run(cfg)
+    assert sorted(m.value for m in MlflowClient(cfg.tracking.uri).get_metric_history(run_id, "resumed_from_step")) == [0, 5]
+    assert_same_state(final_state(cfg, 30), reference[2])
+    # the partial step-10 folder was deleted on restart; step-10 now is the re-written, complete one
+    assert os.path.exists(os.path.join(step_path(os.path.join(cfg.run.storage_path, cfg.run.name), 30), ".metadata"))
+
+
+def test_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path, dataset, reference):
+    faults = "faults=[{kind: raise, step: 23, rank: 0}]"
+    cfg = make_config(tmp_path, dataset, "train.max_steps=30", "failure.max_failures=0", faults)
+    with pytest.raises(RunFailed, match="InjectedFault"):
+        run(cfg)
+    latest = step_dirs(cfg)[-1]
+    assert latest.endswith("step-20")
+    shard = os.path.join(latest, "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    cfg = make_config(tmp_path, dataset, "train.max_steps=30", faults)  # resubmit: same run, fault already fired
+    run_id = run(cfg)
+    resumed = MlflowClient(cfg.tracking.uri).get_metric_history(run_id, "resumed_from_step")
+    assert sorted(m.value for m in resumed) == [0, 15]
+    assert "step-20" in MlflowClient(cfg.tracking.uri).get_run(run_id).data.tags["last_corrupt_checkpoint"]
+    assert_same_state(final_state(cfg, 30), reference[2])
