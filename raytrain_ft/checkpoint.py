@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
@@ -164,7 +165,7 @@ class Checkpointer:
                 return path
             except CheckpointError:
                 raise
-            except Exception as e:  # DCP wraps per-rank read errors in CheckpointException
+            except (Exception, CheckpointException) as e:  # CheckpointException (per-rank errors) is a BaseException
                 reason = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
                 log.error("checkpoint %s failed to load (%s); falling back to the previous one", path, reason)
                 on_corrupt(path, reason)
