@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     verb = "reused" if reused else "wrote"
-    print(f"{verb} {args.output}: {manifest.num_samples} samples x {manifest.seq_len + 1} tokens, vocab {manifest.vocab_size}")
+    shape = f"{manifest.num_samples} samples x {manifest.seq_len + 1} tokens"
+    print(f"{verb} {args.output}: {shape}, vocab {manifest.vocab_size}")
     return 0
 
 

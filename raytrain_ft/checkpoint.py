@@ -147,9 +147,7 @@ class Checkpointer:
         self.commit(step, path)
         return step
 
-    def restore(
-        self, state: TrainState, candidates: list[str], on_corrupt: Callable[[str, str], None]
-    ) -> str | None:
+    def restore(self, state: TrainState, candidates: list[str], on_corrupt: Callable[[str, str], None]) -> str | None:
         """Load the first loadable checkpoint of `candidates` (newest first) into `state`.
 
         A candidate that fails to load (truncated or corrupt file) is reported through
@@ -185,7 +183,9 @@ class Checkpointer:
         current: RunMeta = state.components[KEY_META]
         saved = RunMeta(fingerprint={})
         dcp.load({KEY_META: saved}, storage_reader=FsspecReader(path), process_group=self.save_group)
-        diff = {k: (saved.fingerprint.get(k), v) for k, v in current.fingerprint.items() if saved.fingerprint.get(k) != v}
+        diff = {
+            k: (saved.fingerprint.get(k), v) for k, v in current.fingerprint.items() if saved.fingerprint.get(k) != v
+        }
         if diff:
             what = ", ".join(f"{k}: checkpoint {a} vs config {b}" for k, (a, b) in diff.items())
             raise CheckpointError(

@@ -99,7 +99,9 @@ def train(cfg: Config, session: Session, tracking_uri: str, mlflow_run_id: str) 
     plan = BatchPlan(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
     steps_per_epoch = manifest.num_samples // plan.global_batch_size
     if steps_per_epoch == 0:
-        raise ConfigError(f"train.global_batch_size={plan.global_batch_size} exceeds the {manifest.num_samples} samples")
+        raise ConfigError(
+            f"train.global_batch_size={plan.global_batch_size} exceeds the {manifest.num_samples} samples"
+        )
 
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     model = build_model(cfg.model.preset, manifest.vocab_size, manifest.seq_len, cfg.model.dropout).to(device)
@@ -123,9 +125,15 @@ def train(cfg: Config, session: Session, tracking_uri: str, mlflow_run_id: str) 
     resumed_from = restore(checkpointer, state, session, logger)
     if resumed_from is None:
         seed_rngs(cfg.train.seed, rank)
+    resumed_step = progress.step
     if logger:
         logger.metrics(progress.step, {"resumed_from_step": resumed_from or 0, "world_size": world_size})
-        log.info("rank 0: start at step %d (world size %d, grad_accum_steps %d)", progress.step, world_size, plan.grad_accum_steps)
+        log.info(
+            "rank 0: start at step %d (world size %d, grad_accum_steps %d)",
+            progress.step,
+            world_size,
+            plan.grad_accum_steps,
+        )
 
     faults = FaultInjector(cfg.faults, rank, session.run_root)
     batches = step_batches(session, position, plan, steps_per_epoch)
@@ -139,7 +147,7 @@ def train(cfg: Config, session: Session, tracking_uri: str, mlflow_run_id: str) 
         for i, mb in enumerate(micro_batches):
             tokens = mb["tokens"].to(device, non_blocking=True)
             sync = i == len(micro_batches) - 1  # all-reduce gradients only on the last micro-batch
-            with (ddp.no_sync() if not sync else contextlib.nullcontext()), autocast:
+            with ddp.no_sync() if not sync else contextlib.nullcontext(), autocast:
                 micro_loss = lm_loss(ddp, tokens) / plan.grad_accum_steps
             micro_loss.backward()
             loss += micro_loss.detach()
@@ -156,9 +164,27 @@ def train(cfg: Config, session: Session, tracking_uri: str, mlflow_run_id: str) 
         step_time = time.perf_counter() - t0
         if logger:
             tokens_per_s = plan.global_batch_size * manifest.seq_len / step_time
-            logger.metrics(step, {"loss": loss_value, "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
-                                  "tokens_per_s": tokens_per_s, "step_time_s": step_time,
-                                  "epoch": position.epoch, "checkpoint_stall_s": checkpointer.last_stall_s})
+            logger.metrics(
+                step,
+                {
+                    "loss": loss_value,
+                    "lr": scheduler.get_last_lr()[0],
+                    "grad_norm": float(grad_norm),
+                    "tokens_per_s": tokens_per_s,
+                    "step_time_s": step_time,
+                    "epoch": position.epoch,
+                    "checkpoint_stall_s": checkpointer.last_stall_s,
+                },
+            )
+            if step % 5 == 0 or step == resumed_step + 1:
+                log.info(
+                    "step %d/%d loss %.4f grad_norm %.3f %.0f tokens/s",
+                    step,
+                    cfg.train.max_steps,
+                    loss_value,
+                    grad_norm,
+                    tokens_per_s,
+                )
         checkpointer.last_stall_s = 0.0
         checkpointer.poll()
         if step % cfg.checkpoint.interval_steps == 0 or step == cfg.train.max_steps:

@@ -5,7 +5,9 @@ from raytrain_ft.errors import ConfigError
 
 
 def test_defaults_and_overrides_merge():
-    cfg = load_config(None, ["train.max_steps=7", "scaling.num_workers=[1,3]", "faults=[{kind: kill, step: 3, rank: 1}]"])
+    cfg = load_config(
+        None, ["train.max_steps=7", "scaling.num_workers=[1,3]", "faults=[{kind: kill, step: 3, rank: 1}]"]
+    )
     assert cfg.train.max_steps == 7
     assert cfg.worker_range == (1, 3)
     assert cfg.faults[0].kind == "kill" and cfg.faults[0].rank == 1
@@ -34,8 +36,25 @@ def test_unknown_fault_kind():
 
 
 def test_valid_keys_cover_the_contract():
-    for key in ["run.name", "run.storage_path", "data.path", "model.preset", "model.dropout", "train.max_steps",
-                "train.global_batch_size", "train.micro_batch_size", "train.seq_len", "train.seed", "train.lr",
-                "scaling.num_workers", "scaling.use_gpu", "checkpoint.interval_steps", "checkpoint.num_to_keep",
-                "failure.max_failures", "tracking.uri", "tracking.experiment", "faults"]:
+    for key in [
+        "run.name",
+        "run.storage_path",
+        "data.path",
+        "model.preset",
+        "model.dropout",
+        "train.max_steps",
+        "train.global_batch_size",
+        "train.micro_batch_size",
+        "train.seq_len",
+        "train.seed",
+        "train.lr",
+        "scaling.num_workers",
+        "scaling.use_gpu",
+        "checkpoint.interval_steps",
+        "checkpoint.num_to_keep",
+        "failure.max_failures",
+        "tracking.uri",
+        "tracking.experiment",
+        "faults",
+    ]:
         assert key in valid_keys()

@@ -6,8 +6,8 @@ import sys
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import REPO, STDLIB_JSON
+
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.prepare import PrepareSettings, prepare
 from raytrain_ft.errors import DataError
@@ -36,28 +36,37 @@ def test_rerun_reuses_and_new_settings_replace(tmp_path):
     assert reused and again == first and os.path.getmtime(os.path.join(out, "shard-00000.parquet")) == mtime
     other, reused = prepare(STDLIB_JSON, out, PrepareSettings(seq_len=16, vocab_size=300))
     assert not reused and other.seq_len == 16 and other.fingerprint != first.fingerprint
-    assert json.load(open(os.path.join(out, "manifest.json")))["seq_len"] == 16
+    with open(os.path.join(out, "manifest.json")) as f:
+        assert json.load(f)["seq_len"] == 16
     assert [p for p in os.listdir(tmp_path) if "partial" in p] == []
 
 
 def test_jsonl_and_parquet_inputs(tmp_path):
     import pyarrow as pa
 
-    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"text": "def f(x):\n    return x * 2\n" * 20}) for _ in range(5)))
+    (tmp_path / "a.jsonl").write_text(
+        "\n".join(json.dumps({"text": "def f(x):\n    return x * 2\n" * 20}) for _ in range(5))
+    )
     pq.write_table(pa.table({"text": ["class A:\n    pass\n" * 30] * 4}), tmp_path / "b.parquet")
     m, _ = prepare(str(tmp_path), str(tmp_path / "out"), PrepareSettings(seq_len=16, vocab_size=300))
     assert m.num_samples > 10
 
 
 def run_prepare(*args):
-    return subprocess.run([sys.executable, os.path.join(REPO, "jobs", "prepare_data.py"), *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, os.path.join(REPO, "jobs", "prepare_data.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_no_matching_files_is_one_line_error(tmp_path):
     r = run_prepare("--input", str(tmp_path / "nothing" / "*.txt"), "--output", str(tmp_path / "o"))
     assert r.returncode == 2
-    assert r.stderr.strip().splitlines() == [f"error: no input files match {tmp_path}/nothing/*.txt (supported: .txt, .md, .py, .jsonl, .parquet)"]
+    assert r.stderr.strip().splitlines() == [
+        f"error: no input files match {tmp_path}/nothing/*.txt (supported: .txt, .md, .py, .jsonl, .parquet)"
+    ]
 
 
 def test_empty_documents_is_one_line_error(tmp_path):

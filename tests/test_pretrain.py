@@ -6,9 +6,9 @@ import os
 
 import pytest
 import torch
+from conftest import make_config, metric_by_step, step_dirs
 from mlflow.tracking import MlflowClient
 
-from conftest import make_config, metric_by_step, step_dirs
 from raytrain_ft.checkpoint import load_model_state_dict, load_tensors, step_path
 from raytrain_ft.launch.trainer import RunFailed, run
 
@@ -78,7 +78,10 @@ def test_interrupted_run_is_bitwise_identical(tmp_path, dataset, reference, faul
 def test_kill_during_save_never_loads_the_partial_folder(tmp_path, dataset, reference):
     cfg = make_config(tmp_path, dataset, "train.max_steps=30", "faults=[{kind: kill_during_save, step: 10, rank: 1}]")
     run_id = run(cfg)
-    assert sorted(m.value for m in MlflowClient(cfg.tracking.uri).get_metric_history(run_id, "resumed_from_step")) == [0, 5]
+    assert sorted(m.value for m in MlflowClient(cfg.tracking.uri).get_metric_history(run_id, "resumed_from_step")) == [
+        0,
+        5,
+    ]
     assert_same_state(final_state(cfg, 30), reference[2])
     # the partial step-10 folder was deleted on restart; step-10 now is the re-written, complete one
     assert os.path.exists(os.path.join(step_path(os.path.join(cfg.run.storage_path, cfg.run.name), 30), ".metadata"))

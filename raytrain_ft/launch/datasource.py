@@ -60,6 +60,8 @@ def rank_micro_batches(
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False  # per-worker bars flood the job log
-    ds = ray.data.read_datasource(EpochDatasource(EpochOrder(path, manifest, seed, epoch), start, stop), num_cpus=READ_CPUS)
+    ds = ray.data.read_datasource(
+        EpochDatasource(EpochOrder(path, manifest, seed, epoch), start, stop), num_cpus=READ_CPUS
+    )
     ds = ds.map_batches(_rank_rows(plan, rank), batch_format="pyarrow", batch_size=None, num_cpus=READ_CPUS)
     yield from ds.iter_torch_batches(batch_size=plan.micro_batch_size, prefetch_batches=4, drop_last=False)

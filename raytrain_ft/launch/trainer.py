@@ -68,12 +68,18 @@ def check_checkpoint_compatible(cfg: Config, manifest, run_root: str) -> None:
     from raytrain_ft.train_state import KEY_META
 
     with torch.device("meta"):
-        num_params = sum(p.numel() for p in build_model(cfg.model.preset, manifest.vocab_size, manifest.seq_len, 0.0).parameters())
+        num_params = sum(
+            p.numel() for p in build_model(cfg.model.preset, manifest.vocab_size, manifest.seq_len, 0.0).parameters()
+        )
     path = step_path(run_root, max(complete))
     saved = RunMeta(fingerprint={})
     dcp.load({KEY_META: saved}, storage_reader=FsspecReader(path), no_dist=True)
     current = fingerprint(cfg, manifest, num_params)
-    diff = [f"{k}: checkpoint {saved.fingerprint.get(k)} vs config {v}" for k, v in current.items() if saved.fingerprint.get(k) != v]
+    diff = [
+        f"{k}: checkpoint {saved.fingerprint.get(k)} vs config {v}"
+        for k, v in current.items()
+        if saved.fingerprint.get(k) != v
+    ]
     if diff:
         from raytrain_ft.errors import CheckpointError
 
@@ -105,7 +111,9 @@ def run(cfg: Config) -> str:
             use_gpu=cfg.scaling.use_gpu,
             resources_per_worker={"CPU": cfg.scaling.cpus_per_worker, **({"GPU": 1} if cfg.scaling.use_gpu else {})},
         ),
-        torch_config=TorchConfig(backend="nccl" if cfg.scaling.use_gpu else "gloo", timeout_s=cfg.failure.collective_timeout_s),
+        torch_config=TorchConfig(
+            backend="nccl" if cfg.scaling.use_gpu else "gloo", timeout_s=cfg.failure.collective_timeout_s
+        ),
         run_config=RunConfig(
             name=cfg.run.name,
             storage_path=cfg.run.storage_path,

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The demo: install, prepare the stdlib corpus, start a local Ray head, submit the pretraining job
+# with one injected worker kill, stream its logs, stop the head, and say how to open MLflow.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+source .venv/bin/activate
+export RAY_AUTH_MODE=disabled  # a local, loopback-only head; see README "Ray authentication"
+python jobs/prepare_data.py --output data/stdlib
+ray start --head --num-cpus=2 --dashboard-host=127.0.0.1 --disable-usage-stats >/dev/null
+trap 'ray stop >/dev/null 2>&1 || true' EXIT
+for _ in $(seq 1 60); do curl -sf http://127.0.0.1:8265/api/version >/dev/null && break; sleep 1; done
+ray job submit --address http://127.0.0.1:8265 -- python "$PWD/jobs/pretrain.py" --config "$PWD/configs/demo.yaml" \
+  "data.path=$PWD/data/stdlib" "run.storage_path=$PWD/runs" "tracking.uri=sqlite:///$PWD/mlflow.db" "$@"
+echo
+echo "MLflow UI: .venv/bin/mlflow ui --backend-store-uri sqlite:///$PWD/mlflow.db --host 127.0.0.1 --port 5000"
+echo "           then open http://127.0.0.1:5000 (experiment raytrain-ft, run demo)"

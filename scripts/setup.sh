@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Create .venv and install raytrain-ft with its test tools. On a machine without an NVIDIA GPU,
+# torch is pinned to the CPU build first (a plain `pip install torch` pulls a multi-GB CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  .venv/bin/python -m pip install -q "torch==2.13.0" || .venv/bin/python -m pip install -q "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+fi
+.venv/bin/python -m pip install -q -e ".[dev]"

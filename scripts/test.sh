@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Install (if needed), lint, and run the whole test suite on a real local Ray instance.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export RAY_AUTH_MODE=disabled  # local test clusters only; see README "Ray authentication"
+.venv/bin/ruff format --check raytrain_ft jobs tests benchmarks
+.venv/bin/ruff check raytrain_ft jobs tests benchmarks
+.venv/bin/python -m pytest "$@"

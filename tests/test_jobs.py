@@ -1,0 +1,120 @@
+"""The job entry points as users run them: subprocesses, `ray start --head` + `ray job submit`, resubmission."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+from conftest import REPO
+from mlflow.tracking import MlflowClient
+
+PRETRAIN = os.path.join(REPO, "jobs", "pretrain.py")
+TINY = os.path.join(REPO, "configs", "tiny.yaml")
+BIN = os.path.dirname(sys.executable)
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "PATH": f"{BIN}:{os.environ['PATH']}"}
+
+
+def run_args(tmp_path, dataset, *extra):
+    return [
+        f"data.path={dataset}",
+        f"run.storage_path={tmp_path / 'runs'}",
+        f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        *extra,
+    ]
+
+
+def pretrain(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, PRETRAIN, "--config", TINY, *args], capture_output=True, text=True, timeout=timeout, env=ENV
+    )
+
+
+def test_unknown_config_key_is_one_line_error(tmp_path, dataset):
+    r = pretrain(*run_args(tmp_path, dataset, "train.max_stepz=3"))
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "error: unknown config key 'train.max_stepz'; did you mean 'train.max_steps'?"
+    ]
+
+
+def test_missing_dataset_is_one_line_error(tmp_path, dataset):
+    r = pretrain(*run_args(tmp_path, tmp_path / "nowhere"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"error: no prepared dataset at {tmp_path / 'nowhere'} (manifest.json missing); run "
+        f"`python jobs/prepare_data.py --output {tmp_path / 'nowhere'}` or set data.path"
+    )
+
+
+def test_ray_job_submit_to_a_started_head(tmp_path, dataset):
+    ray = os.path.join(BIN, "ray")
+    subprocess.run(
+        [ray, "start", "--head", "--num-cpus=2", "--dashboard-host=127.0.0.1", "--disable-usage-stats"],
+        check=True,
+        env=ENV,
+        capture_output=True,
+        timeout=120,
+    )
+    try:
+        for _ in range(60):
+            try:
+                urllib.request.urlopen("http://127.0.0.1:8265/api/version", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        r = subprocess.run(
+            [
+                ray,
+                "job",
+                "submit",
+                "--address",
+                "http://127.0.0.1:8265",
+                "--",
+                "python",
+                PRETRAIN,
+                "--config",
+                TINY,
+                *run_args(tmp_path, dataset, "run.name=submitted", "train.max_steps=6"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=400,
+            env=ENV,
+        )
+    finally:
+        subprocess.run([ray, "stop"], env=ENV, capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "run submitted finished" in r.stdout and "succeeded" in r.stdout
+    assert os.path.exists(tmp_path / "runs" / "submitted" / "step-6" / ".metadata")
+
+
+def test_resubmission_after_the_driver_died_resumes_the_same_run(tmp_path, dataset):
+    args = run_args(tmp_path, dataset, "run.name=resub", "train.max_steps=40", "checkpoint.interval_steps=5")
+    proc = subprocess.Popen(
+        [sys.executable, PRETRAIN, "--config", TINY, *args],
+        env=ENV,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    snapshot = tmp_path / "runs" / "resub" / "checkpoint_manager_snapshot.json"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (snapshot.exists() and '"step-10"' in snapshot.read_text()):
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole job dies: driver, its local Ray instance, workers
+    proc.wait()
+    assert '"step-10"' in snapshot.read_text()
+    subprocess.run([os.path.join(BIN, "ray"), "stop", "--force"], env=ENV, capture_output=True, timeout=120)
+
+    r = pretrain(*args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("raytrain-ft").experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    resumed = [m.value for m in client.get_metric_history(runs[0].info.run_id, "resumed_from_step")]
+    assert resumed[0] == 0 and resumed[-1] >= 10
+    assert sorted({m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")}) == list(range(1, 41))
