@@ -31,6 +31,7 @@ class RunSection:
 @dataclass
 class DataSection:
     path: str = "data/stdlib"  # dataset folder written by jobs/prepare_data.py
+    audit: bool = False  # record every step's sample ids per rank under <run folder>/audit
 
 
 @dataclass

@@ -137,6 +137,7 @@ def train(cfg: Config, session: Session, tracking_uri: str, mlflow_run_id: str) 
 
     faults = FaultInjector(cfg.faults, rank, session.run_root)
     batches = step_batches(session, position, plan, steps_per_epoch)
+    preemption_saved = False
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     while progress.step < cfg.train.max_steps:
         step = progress.step + 1
@@ -190,9 +191,22 @@ def train(cfg: Config, session: Session, tracking_uri: str, mlflow_run_id: str) 
         if step % cfg.checkpoint.interval_steps == 0 or step == cfg.train.max_steps:
             checkpointer.save(step, state, slow_writer=faults.slow_save(step))
             faults.after_save_started(step)
+        if not preemption_saved and session.preemption_pending():
+            save_before_preemption(checkpointer, state, step, logger)
+            preemption_saved = True
     checkpointer.wait()
     if not math.isfinite(loss_value):
         log.warning("final loss is not finite: %s", loss_value)
+
+
+def save_before_preemption(checkpointer: Checkpointer, state: TrainState, step: int, logger: RunLogger | None) -> None:
+    """Just-in-time checkpoint when a node is about to be preempted: save (unless this step's
+    periodic save is in flight) and wait for the commit, so the restart loses nothing."""
+    if checkpointer.pending is None or checkpointer.pending[0] != step:
+        checkpointer.save(step, state)
+    checkpointer.wait()
+    if logger:
+        logger.event("preemption_checkpoint", step=step)
 
 
 def restore(checkpointer: Checkpointer, state: TrainState, session: Session, logger: RunLogger | None) -> int | None:

@@ -1,7 +1,7 @@
 """What the training loop needs from its runtime: the only seam between the loop and Ray.
 
 The loop depends on `torch.distributed` and on this protocol; `raytrain_ft.launch.worker`
-implements it with Ray Train and Ray Data. Another runtime (torchrun) would implement the same five
+implements it with Ray Train and Ray Data. Another runtime (torchrun) would implement the same
 members.
 """
 
@@ -26,6 +26,9 @@ class Session(Protocol):
 
     def flush(self) -> None:
         """Return once every earlier commit has been acknowledged (called on every rank)."""
+
+    def preemption_pending(self) -> bool:
+        """True once a node of this run is about to be preempted (same answer on every rank)."""
 
     def micro_batches(self, epoch: int, start: int, stop: int, plan: BatchPlan) -> Iterator[dict[str, torch.Tensor]]:
         """This rank's micro-batches for positions [start, stop) of `epoch`, in order.

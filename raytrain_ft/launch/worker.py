@@ -43,6 +43,10 @@ class RaySession:
         # controller consumed the previous report (and so committed its checkpoint).
         ray.train.report({})
 
+    def preemption_pending(self) -> bool:
+        # A collective in Ray Train (rank 0's view is broadcast): the loop calls it on every rank each step.
+        return ray.train.get_preemption_info() is not None
+
     def micro_batches(self, epoch: int, start: int, stop: int, plan: BatchPlan) -> Iterator[dict[str, torch.Tensor]]:
         return rank_micro_batches(self.data_path, self.manifest, self.seed, epoch, start, stop, plan, self.rank)
 

@@ -1,0 +1,77 @@
+"""Elastic shrink and grow-back on a 2-node local cluster (`ray.cluster_utils.Cluster`).
+
+Run by tests/test_elastic.py in a subprocess (a Cluster needs a process without another Ray
+instance). Usage: python elastic.py DATASET WORKDIR. Prints one JSON line with what happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import ray
+from mlflow.tracking import MlflowClient
+from ray.cluster_utils import Cluster
+
+from raytrain_ft.config import load_config
+from raytrain_ft.launch.trainer import WORKER_ENV, run
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def world_sizes(uri: str, run_id: str) -> list[int]:
+    history = MlflowClient(uri).get_metric_history(run_id, "world_size")
+    return [int(m.value) for m in sorted(history, key=lambda m: m.timestamp)]
+
+
+def main(dataset: str, workdir: str) -> None:
+    os.environ.update(WORKER_ENV)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    worker_node = cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=False)
+    cfg = load_config(
+        os.path.join(REPO, "configs", "tiny.yaml"),
+        [
+            f"data.path={dataset}",
+            f"run.storage_path={workdir}/runs",
+            f"tracking.uri=sqlite:///{workdir}/mlflow.db",
+            "run.name=elastic",
+            "model.preset=small",
+            "train.max_steps=200",
+            "train.global_batch_size=8",
+            "checkpoint.interval_steps=10",
+            "scaling.num_workers=[1,2]",
+            "scaling.cpus_per_worker=0.8",  # one worker per 1-CPU node, 0.2 CPU left for Ray Data
+            "failure.max_failures=5",
+            "data.audit=true",
+        ],
+    )
+    events = []
+    run_root = os.path.join(workdir, "runs", "elastic")
+
+    def chaos():
+        nonlocal worker_node
+        snapshot = os.path.join(run_root, "checkpoint_manager_snapshot.json")
+        while not (os.path.exists(snapshot) and '"step-20"' in Path(snapshot).read_text()):
+            time.sleep(0.5)
+        cluster.remove_node(worker_node, allow_graceful=False)
+        events.append(("removed", time.time()))
+        run_id = Path(run_root, "mlflow_run_id").read_text().strip()
+        while 1 not in world_sizes(cfg.tracking.uri, run_id):
+            time.sleep(1)
+        worker_node = cluster.add_node(num_cpus=1)
+        events.append(("added", time.time()))
+
+    threading.Thread(target=chaos, daemon=True).start()
+    run_id = run(cfg)
+    print(json.dumps({"run_id": run_id, "world_sizes": world_sizes(cfg.tracking.uri, run_id), "events": events}))
+    ray.shutdown()
+    cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
