@@ -159,8 +159,9 @@ class Checkpointer:
         for path in candidates:
             try:
                 self._check_compatible(path, state)
-                dcp.load(self._loadable(path, state), storage_reader=FsspecReader(path), process_group=self.save_group)
-                return path
+                loadable = self._loadable(path, state)
+                dcp.load(loadable, storage_reader=FsspecReader(path), process_group=self.save_group)
+                return path, set(loadable)
             except CheckpointError:
                 raise
             except (Exception, CheckpointException) as e:  # CheckpointException (per-rank errors) is a BaseException
@@ -172,7 +173,7 @@ class Checkpointer:
                 f"none of the committed checkpoints under {self.root} loads; "
                 "delete the run folder (or pick a new run.name) to start from scratch"
             )
-        return None
+        return None, set()
 
     def _loadable(self, path: str, state: TrainState) -> dict:
         """The components present in the checkpoint (a new rank after a resize has no RNG entry)."""

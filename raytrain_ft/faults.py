@@ -6,7 +6,7 @@ async write is in flight; `step` must be a checkpoint step). Each fault fires on
 firing rank writes `<run folder>/faults/<index>.fired` first, so the restarted attempt passes it.
 
 Before a step with a pending fault every rank calls `settle()`: the loop finishes its in-flight save
-and waits until Ray acknowledged the commit (one more `report()`), so the step a test expects the
+and waits until Ray registered the commit (the controller callback acknowledges it), so the step a test expects the
 run to resume from does not depend on timing. Real failures get no such courtesy, and resume is correct
 from any older committed checkpoint (see the bitwise-resume tests).
 """

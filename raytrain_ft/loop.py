@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raytrain_ft.checkpoint import Checkpointer, cleanup, list_step_dirs, step_of, step_path
 from raytrain_ft.config import Config, TrainSection
+from raytrain_ft.data.audit import DataAudit
 from raytrain_ft.data.manifest import Manifest, load_manifest
 from raytrain_ft.data.position import BatchPlan, DataPosition
 from raytrain_ft.errors import ConfigError
@@ -121,10 +122,11 @@ def train(cfg: Config, session: Session, tracking_uri: str, mlflow_run_id: str) 
     state.add(KEY_META, RunMeta(fingerprint(cfg, manifest, num_params), mlflow_run_id))
 
     logger = RunLogger(tracking_uri, mlflow_run_id) if rank == 0 else None
-    checkpointer = Checkpointer(session.run_root, lambda s, p: session.commit(s, p, {"step": s}))
-    resumed_from = restore(checkpointer, state, session, logger)
-    if resumed_from is None:
-        seed_rngs(cfg.train.seed, rank)
+    checkpointer = Checkpointer(session.run_root, lambda s, p: (audit.flush(), session.commit(s, p, {"step": s})))
+    audit = DataAudit(session.run_root, checkpointer.control_group, cfg.data.audit)
+    resumed_from, loaded = restore(checkpointer, state, session, logger)
+    if rng_key(rank) not in loaded:  # fresh start, or a rank added by an elastic resize
+        seed_rngs(cfg.train.seed + progress.step, rank)
     resumed_step = progress.step
     if logger:
         logger.metrics(progress.step, {"resumed_from_step": resumed_from or 0, "world_size": world_size})
@@ -144,6 +146,7 @@ def train(cfg: Config, session: Session, tracking_uri: str, mlflow_run_id: str) 
         faults.before_step(step, settle=lambda: (checkpointer.wait(), session.flush()))
         t0 = time.perf_counter()
         micro_batches = next(batches)
+        audit.record(step, torch.cat([mb["sample_id"] for mb in micro_batches]))
         loss = torch.zeros((), device=device)
         for i, mb in enumerate(micro_batches):
             tokens = mb["tokens"].to(device, non_blocking=True)
@@ -209,8 +212,13 @@ def save_before_preemption(checkpointer: Checkpointer, state: TrainState, step: 
         logger.event("preemption_checkpoint", step=step)
 
 
-def restore(checkpointer: Checkpointer, state: TrainState, session: Session, logger: RunLogger | None) -> int | None:
-    """Delete uncommitted saves, then load the committed checkpoint (or an older one if corrupt)."""
+def restore(
+    checkpointer: Checkpointer, state: TrainState, session: Session, logger: RunLogger | None
+) -> tuple[int | None, set[str]]:
+    """Delete uncommitted saves, then load the committed checkpoint (or an older one if corrupt).
+
+    Returns the step loaded (None on a fresh start) and the state keys the checkpoint held.
+    """
     latest = session.latest_checkpoint()
     committed = step_of(latest) if latest else 0
     if dist.get_rank() == 0:
@@ -219,7 +227,7 @@ def restore(checkpointer: Checkpointer, state: TrainState, session: Session, log
             log.warning("deleted incomplete or uncommitted checkpoints at steps %s", removed)
     dist.barrier(group=checkpointer.control_group)
     if latest is None:
-        return None
+        return None, set()
     older = sorted((s for s, done in list_step_dirs(session.run_root).items() if done and s < committed), reverse=True)
     candidates = [latest] + [step_path(session.run_root, s) for s in older]
 
@@ -228,5 +236,5 @@ def restore(checkpointer: Checkpointer, state: TrainState, session: Session, log
             logger.event("corrupt_checkpoint", path=path, reason=reason)
             logger.tags({"last_corrupt_checkpoint": f"{path}: {reason}"})
 
-    loaded = checkpointer.restore(state, candidates, on_corrupt)
-    return step_of(loaded) if loaded else None
+    loaded, keys = checkpointer.restore(state, candidates, on_corrupt)
+    return (step_of(loaded) if loaded else None), keys

@@ -25,7 +25,7 @@ class Session(Protocol):
         """Register a complete checkpoint (called on every rank with the same arguments)."""
 
     def flush(self) -> None:
-        """Return once every earlier commit has been acknowledged (called on every rank)."""
+        """Return once the runtime has registered every earlier commit (called on every rank)."""
 
     def preemption_pending(self) -> bool:
         """True once a node of this run is about to be preempted (same answer on every rank)."""

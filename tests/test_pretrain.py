@@ -10,13 +10,18 @@ from conftest import make_config, metric_by_step, step_dirs
 from mlflow.tracking import MlflowClient
 
 from raytrain_ft.checkpoint import load_model_state_dict, load_tensors, step_path
+from raytrain_ft.data.audit import read_audit
 from raytrain_ft.launch.trainer import RunFailed, run
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 
+def run_root(cfg) -> str:
+    return os.path.join(cfg.run.storage_path, cfg.run.name)
+
+
 def final_state(cfg, step: int) -> dict[str, torch.Tensor]:
-    path = step_path(os.path.join(cfg.run.storage_path, cfg.run.name), step)
+    path = step_path(run_root(cfg), step)
     return {**load_model_state_dict(path), **{f"optim.{k}": v for k, v in load_tensors(path, "optim").items()}}
 
 
@@ -30,7 +35,7 @@ def assert_same_state(a: dict, b: dict) -> None:
 def reference(tmp_path_factory, dataset):
     """The uninterrupted 30-step run every resume test compares against."""
     tmp = tmp_path_factory.mktemp("reference")
-    cfg = make_config(tmp, dataset, "run.name=ref", "train.max_steps=30")
+    cfg = make_config(tmp, dataset, "run.name=ref", "train.max_steps=30", "data.audit=true")
     run_id = run(cfg)
     return cfg, run_id, final_state(cfg, 30)
 
@@ -60,15 +65,18 @@ def test_kill_restarts_from_last_committed_checkpoint(tmp_path, dataset):
     "faults",
     [
         "[{kind: kill, step: 17, rank: 1}]",
-        "[{kind: kill, step: 17, rank: 1}, {kind: raise, step: 24, rank: 0}]",
+        "[{kind: raise, step: 11, rank: 0}, {kind: kill, step: 23, rank: 1}]",
     ],
     ids=["one-failure", "two-failures"],
 )
 def test_interrupted_run_is_bitwise_identical(tmp_path, dataset, reference, faults):
     ref_cfg, ref_run, ref_state = reference
-    cfg = make_config(tmp_path, dataset, "train.max_steps=30", f"faults={faults}")
+    cfg = make_config(tmp_path, dataset, "train.max_steps=30", "data.audit=true", f"faults={faults}")
     run_id = run(cfg)
     assert_same_state(final_state(cfg, 30), ref_state)
+    # exactly-once data: every step consumed the same ids on the same ranks as without failures
+    assert read_audit(run_root(cfg)).equals(read_audit(run_root(ref_cfg)))
+    assert read_audit(run_root(cfg)).num_rows == 30 * 8
     ref_loss, loss = metric_by_step(ref_cfg, ref_run, "loss"), metric_by_step(cfg, run_id, "loss")
     assert [loss[s] for s in range(16, 31)] == [ref_loss[s] for s in range(16, 31)]
     assert metric_by_step(cfg, run_id, "lr")[30] == metric_by_step(ref_cfg, ref_run, "lr")[30]

@@ -1,7 +1,8 @@
-"""Ray Train controller callback that records each worker-group failure in MLflow."""
+"""Ray Train controller callback: records each worker-group failure in MLflow and acknowledges commits."""
 
 from __future__ import annotations
 
+import fsspec
 from ray.train.v2.api.callback import UserCallback
 
 from raytrain_ft.tracking import RunLogger
@@ -15,11 +16,24 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:500]
 
 
-class FailureRecorder(UserCallback):
-    """Runs on the controller: on every failure, `restarts` += 1 and the cause as a tag and event."""
+COMMIT_ACK_FILE = "last_commit_ack"
 
-    def __init__(self, tracking_uri: str, run_id: str):
-        self.tracking_uri, self.run_id = tracking_uri, run_id
+
+class RunRecorder(UserCallback):
+    """Runs on the controller.
+
+    On every failure: `restarts` += 1, the cause as a tag and an event. On every registered
+    checkpoint: its path is written to `<run folder>/last_commit_ack`, so a worker can wait until
+    Ray has registered a commit (`RaySession.flush`).
+    """
+
+    def __init__(self, tracking_uri: str, run_id: str, run_root: str):
+        self.tracking_uri, self.run_id, self.run_root = tracking_uri, run_id, run_root
+
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        if checkpoint is not None:
+            with fsspec.open(f"{self.run_root.rstrip('/')}/{COMMIT_ACK_FILE}", "w") as f:
+                f.write(checkpoint.path)
 
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
         logger = RunLogger(self.tracking_uri, self.run_id)

@@ -15,7 +15,7 @@ from raytrain_ft.config import Config, to_dict
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.position import check_world_sizes
 from raytrain_ft.errors import ConfigError, UserError, find_user_error
-from raytrain_ft.launch.callbacks import FailureRecorder, describe
+from raytrain_ft.launch.callbacks import RunRecorder, describe
 from raytrain_ft.launch.worker import train_func
 from raytrain_ft.loop import fingerprint
 from raytrain_ft.model import build_model
@@ -119,7 +119,7 @@ def run(cfg: Config) -> str:
             storage_path=cfg.run.storage_path,
             failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
-            callbacks=[FailureRecorder(uri, run_id)],
+            callbacks=[RunRecorder(uri, run_id, run_root)],
         ),
     )
     logger = RunLogger(uri, run_id)

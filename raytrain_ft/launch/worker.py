@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator
 
+import fsspec
 import ray.train
 import torch
 from ray.train import Checkpoint, CheckpointUploadMode
@@ -12,7 +15,11 @@ from raytrain_ft import loop
 from raytrain_ft.config import from_dict
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.position import BatchPlan
+from raytrain_ft.launch.callbacks import COMMIT_ACK_FILE
 from raytrain_ft.launch.datasource import rank_micro_batches
+
+log = logging.getLogger(__name__)
+FLUSH_TIMEOUT_S = 60
 
 
 class RaySession:
@@ -24,6 +31,7 @@ class RaySession:
         self.run_root = ctx.get_storage().experiment_fs_path
         self.data_path, self.seed = data_path, seed
         self.manifest = load_manifest(data_path)
+        self.last_commit: str | None = None
 
     def latest_checkpoint(self) -> str | None:
         checkpoint = ray.train.get_checkpoint()
@@ -31,6 +39,7 @@ class RaySession:
 
     def commit(self, step: int, path: str, metrics: dict[str, float]) -> None:
         # The DCP files already live in the experiment folder: register them without a copy.
+        self.last_commit = path
         ray.train.report(
             metrics,
             checkpoint=Checkpoint.from_directory(path),
@@ -39,9 +48,22 @@ class RaySession:
         )
 
     def flush(self) -> None:
-        # Each worker's result queue holds one report: this put returns only after the
-        # controller consumed the previous report (and so committed its checkpoint).
-        ray.train.report({})
+        # The controller callback acknowledges each registered checkpoint in a file.
+        if self.last_commit is None:
+            return
+        deadline = time.monotonic() + FLUSH_TIMEOUT_S
+        while self._acknowledged() != self.last_commit:
+            if time.monotonic() > deadline:
+                log.warning("commit of %s not acknowledged after %d s", self.last_commit, FLUSH_TIMEOUT_S)
+                return
+            time.sleep(0.05)
+
+    def _acknowledged(self) -> str | None:
+        try:
+            with fsspec.open(f"{self.run_root.rstrip('/')}/{COMMIT_ACK_FILE}", "r") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
 
     def preemption_pending(self) -> bool:
         # A collective in Ray Train (rank 0's view is broadcast): the loop calls it on every rank each step.

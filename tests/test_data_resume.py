@@ -1,0 +1,97 @@
+"""Exactly-once data across restarts, world-size changes and epoch boundaries (real Ray, audit on)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+import torch
+from conftest import make_config
+from mlflow.tracking import MlflowClient
+
+from raytrain_ft.checkpoint import load_model_state_dict, step_path
+from raytrain_ft.data.audit import read_audit
+from raytrain_ft.data.manifest import load_manifest
+from raytrain_ft.data.order import EpochOrder
+from raytrain_ft.launch.trainer import RunFailed, run
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+def root(cfg) -> str:
+    return os.path.join(cfg.run.storage_path, cfg.run.name)
+
+
+def ids_by_step(cfg) -> dict[int, list[int]]:
+    audit = read_audit(root(cfg))
+    steps, ids = audit.column("step").to_numpy(), audit.column("sample_id").to_numpy()
+    return {int(s): sorted(ids[steps == s].tolist()) for s in np.unique(steps)}
+
+
+def epoch_prefix(dataset: str, epoch: int, n: int) -> list[int]:
+    order = EpochOrder(dataset, load_manifest(dataset), seed=0, epoch=epoch)
+    return pa.concat_tables([order.read(s) for s in order.segments(0, n)]).column("sample_id").to_pylist()
+
+
+@pytest.fixture(scope="module")
+def two_worker_epoch(tmp_path_factory, dataset):
+    """Uninterrupted 2-worker run over one whole epoch: 599 samples // 12 = 49 steps."""
+    cfg = make_config(
+        tmp_path_factory.mktemp("ws-ref"),
+        dataset,
+        "run.name=ws",
+        "train.max_steps=49",
+        "train.global_batch_size=12",
+        "data.audit=true",
+    )
+    run(cfg)
+    return ids_by_step(cfg)
+
+
+@pytest.mark.parametrize("new_world_size", [1, 3])
+def test_resume_at_another_world_size_keeps_every_step(tmp_path, dataset, two_worker_epoch, new_world_size):
+    common = [
+        "run.name=ws",
+        "train.max_steps=49",
+        "train.global_batch_size=12",
+        "data.audit=true",
+        "faults=[{kind: raise, step: 21, rank: 0}]",
+    ]
+    with pytest.raises(RunFailed):  # 2 workers, checkpoint at 20 committed, then the job dies
+        run(make_config(tmp_path, dataset, *common, "failure.max_failures=0"))
+    cfg = make_config(tmp_path, dataset, *common, f"scaling.num_workers={new_world_size}")
+    run_id = run(cfg)
+    steps = ids_by_step(cfg)
+    assert steps == two_worker_epoch  # each step's set of ids equals the 2-worker run's
+    consumed = [i for ids in steps.values() for i in ids]
+    assert len(consumed) == len(set(consumed)) == 49 * 12  # no repeats, and only the 11 epoch-tail ids dropped
+    audit = read_audit(root(cfg))
+    late = audit.filter(pc.greater(audit.column("step"), 20))
+    assert sorted(set(late.column("rank").to_pylist())) == list(range(new_world_size))
+    sizes = [m.value for m in MlflowClient(cfg.tracking.uri).get_metric_history(run_id, "world_size")]
+    assert sizes == [2, new_world_size]
+
+
+def test_resume_at_epoch_boundary_and_mid_second_epoch(tmp_path, dataset):
+    # 599 samples, global batch 8: 74 steps per epoch, 7 samples dropped per epoch.
+    common = ["train.max_steps=120", "checkpoint.interval_steps=37", "data.audit=true"]
+    ref = make_config(tmp_path / "ref", dataset, "run.name=epochs", *common)
+    run(ref)
+    faults = "faults=[{kind: kill, step: 75, rank: 0}, {kind: kill, step: 115, rank: 1}]"
+    cfg = make_config(tmp_path / "faulty", dataset, "run.name=epochs", *common, faults)
+    run_id = run(cfg)
+    resumed = sorted(m.value for m in MlflowClient(cfg.tracking.uri).get_metric_history(run_id, "resumed_from_step"))
+    assert resumed == [0, 74, 111]  # exactly at the boundary, then 37 steps into epoch 2
+    assert read_audit(root(cfg)).equals(read_audit(root(ref)))
+    a, b = load_model_state_dict(step_path(root(cfg), 120)), load_model_state_dict(step_path(root(ref), 120))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    steps = ids_by_step(cfg)
+    epoch0 = [i for s in range(1, 75) for i in steps[s]]
+    epoch1 = [i for s in range(75, 121) for i in steps[s]]
+    assert sorted(epoch0) == sorted(epoch_prefix(dataset, 0, 74 * 8))  # all but the 7 tail samples
+    assert len(set(epoch0)) == 592 and len(set(range(599)) - set(epoch0)) == 7
+    assert sorted(epoch1) == sorted(epoch_prefix(dataset, 1, 46 * 8))  # a new permutation
