@@ -19,7 +19,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from raytrain_ft.errors import ConfigError
 
-FAULT_KINDS = ("raise", "kill", "kill_during_save")
+FAULT_KINDS = ("raise", "kill", "kill_during_save", "nan", "spike", "bitflip", "hang", "slow")
+ALERT_POLICIES = ("warn", "restart")
 
 
 @dataclass
@@ -80,10 +81,41 @@ class TrackingSection:
 
 
 @dataclass
+class SpikeSection:
+    factor: float = 10.0  # skip when grad_norm > factor x median of the history
+    window: int = 100  # accepted steps in the median's history
+    warmup: int = 100  # history length before spikes are judged (non-finite norms always skip)
+    max_consecutive_skips: int = 5  # this many skips in a row trigger a rollback
+    skip_window_steps: int = 10  # global batches skipped after a rollback
+
+
+@dataclass
+class RankCheckSection:
+    interval_steps: int = 10  # all_gather [loss, grad_norm] every N steps
+    max_spread: float = 0.5  # relative spread above this is an alert
+
+
+@dataclass
+class FingerprintSection:
+    interval_steps: int = 50  # compare replica weight checksums every N steps (and before each save)
+
+
+@dataclass
+class GuardsSection:
+    spike: SpikeSection = field(default_factory=SpikeSection)
+    rank_check: RankCheckSection = field(default_factory=RankCheckSection)
+    fingerprint: FingerprintSection = field(default_factory=FingerprintSection)
+    on_alert: str = "warn"  # warn | restart (raise ReplicaMismatchError: Ray restarts from the last checkpoint)
+
+
+@dataclass
 class FaultSpec:
-    kind: str = MISSING  # raise | kill | kill_during_save
-    step: int = MISSING  # the step at which the fault fires (once per run)
-    rank: int = 0  # the rank that fails
+    kind: str = MISSING  # raise | kill | kill_during_save | nan | spike | bitflip | hang | slow
+    step: int = MISSING  # the (first) step at which the fault fires; once per run
+    rank: int = 0  # the rank that fails; -1 = every rank
+    steps: int = 1  # spike / nan / slow: for this many consecutive steps
+    factor: float = 1000.0  # spike: the loss (and so the gradients) of the rank is multiplied by this
+    seconds: float = 0.0  # hang: sleep once; slow: sleep every step
 
 
 @dataclass
@@ -96,6 +128,7 @@ class Config:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     failure: FailureSection = field(default_factory=FailureSection)
     tracking: TrackingSection = field(default_factory=TrackingSection)
+    guards: GuardsSection = field(default_factory=GuardsSection)
     faults: list[FaultSpec] = field(default_factory=list)
 
     @property
@@ -105,14 +138,14 @@ class Config:
         return (n, n) if isinstance(n, int) else (n[0], n[1])
 
 
-def valid_keys() -> list[str]:
-    """Every dotted config key, e.g. `train.max_steps`."""
+def valid_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted config key, e.g. `train.max_steps`, `guards.spike.factor`."""
     keys = []
-    for section in dataclasses.fields(Config):
-        if section.name == "faults":
-            keys.append("faults")
-            continue
-        keys += [f"{section.name}.{f.name}" for f in dataclasses.fields(section.default_factory())]
+    for f in dataclasses.fields(cls):
+        if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory):
+            keys += valid_keys(f.default_factory, f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
     return keys
 
 
@@ -168,12 +201,19 @@ def _validate(cfg: Config) -> None:
     for i, f in enumerate(cfg.faults):
         if f.kind not in FAULT_KINDS:
             raise ConfigError(f"config key 'faults[{i}].kind' is {f.kind!r}; valid kinds: {', '.join(FAULT_KINDS)}")
+    if cfg.guards.on_alert not in ALERT_POLICIES:
+        raise ConfigError(
+            f"config key 'guards.on_alert' is {cfg.guards.on_alert!r}; valid: {', '.join(ALERT_POLICIES)}"
+        )
     positive = {
         "train.max_steps": cfg.train.max_steps,
         "train.global_batch_size": cfg.train.global_batch_size,
         "train.micro_batch_size": cfg.train.micro_batch_size,
         "checkpoint.interval_steps": cfg.checkpoint.interval_steps,
         "checkpoint.num_to_keep": cfg.checkpoint.num_to_keep,
+        "guards.rank_check.interval_steps": cfg.guards.rank_check.interval_steps,
+        "guards.fingerprint.interval_steps": cfg.guards.fingerprint.interval_steps,
+        "guards.spike.max_consecutive_skips": cfg.guards.spike.max_consecutive_skips,
     }
     for key, value in positive.items():
         if value < 1:

@@ -2,8 +2,13 @@
 
 Kinds: `raise` (an exception in the training loop), `kill` (SIGKILL of the worker process),
 `kill_during_save` (the rank's checkpoint writer is slowed and the process is SIGKILLed while its
-async write is in flight; `step` must be a checkpoint step). Each fault fires once per run: the
-firing rank writes `<run folder>/faults/<index>.fired` first, so the restarted attempt passes it.
+async write is in flight; `step` must be a checkpoint step), `nan` (the rank's loss becomes NaN),
+`spike` (the rank's loss, and so its gradients, is multiplied by `factor`), `bitflip` (one bit of
+one parameter flips on the rank after the optimizer step), `hang` (the rank sleeps `seconds` inside
+the step), `slow` (the rank sleeps `seconds` in every step). `nan`, `spike` and `slow` last `steps`
+steps; `rank: -1` means every rank. Each fault fires once per run: the firing rank writes
+`<run folder>/faults/<index>-<step>.fired` first, so a restarted attempt (or the steps re-run
+after a rollback) passes it; `slow` is a property of the machine and fires on every pass.
 
 Before a step with a pending fault every rank calls `settle()`: the loop finishes its in-flight save
 and waits until Ray registered the commit (the controller callback acknowledges it), so the step a test expects the
@@ -13,12 +18,14 @@ from any older committed checkpoint (see the bitwise-resume tests).
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
 from collections.abc import Callable
 
 import fsspec
+import torch
 
 from raytrain_ft.config import FaultSpec
 
@@ -37,12 +44,20 @@ class FaultInjector:
         return [
             (i, f)
             for i, f in self.faults
-            if f.step == step and f.kind in kinds and not self.fs.exists(f"{self.marker_dir}/{i}.fired")
+            if f.kind in kinds
+            and f.step <= step < f.step + max(1, f.steps if f.kind in ("nan", "spike", "slow") else 1)
+            and not self.fs.exists(self._marker(i, step))
         ]
 
-    def _mark(self, index: int) -> None:
+    def _mine(self, f: FaultSpec) -> bool:
+        return f.rank in (-1, self.rank)
+
+    def _marker(self, index: int, step: int) -> str:
+        return f"{self.marker_dir}/{index}-{step}.fired"
+
+    def _mark(self, index: int, step: int) -> None:
         self.fs.makedirs(self.marker_dir, exist_ok=True)
-        with self.fs.open(f"{self.marker_dir}/{index}.fired", "w") as f:
+        with self.fs.open(self._marker(index, step), "w") as f:
             f.write(str(time.time()))
 
     def before_step(self, step: int, settle: Callable[[], object]) -> None:
@@ -52,20 +67,48 @@ class FaultInjector:
             return
         settle()  # also a barrier: every rank has checked the markers before any is written
         for i, f in due:
-            if f.rank == self.rank:
-                self._mark(i)
+            if self._mine(f):
+                self._mark(i, step)
                 if f.kind == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 raise InjectedFault(f"injected fault at step {step} on rank {self.rank}")
 
     def slow_save(self, step: int) -> bool:
         """True on the rank that must be killed during the save of `step`."""
-        return any(f.rank == self.rank for _, f in self._pending(step, ("kill_during_save",)))
+        return any(self._mine(f) for _, f in self._pending(step, ("kill_during_save",)))
 
     def after_save_started(self, step: int) -> None:
         """SIGKILL this rank while its (slowed) write of `step` is in flight."""
         for i, f in self._pending(step, ("kill_during_save",)):
-            if f.rank == self.rank:
-                self._mark(i)
+            if self._mine(f):
+                self._mark(i, step)
                 time.sleep(0.5)  # the writer thread is now inside its slowed write
                 os.kill(os.getpid(), signal.SIGKILL)
+
+    def loss_factor(self, step: int) -> float:
+        """Multiplier of this rank's loss at `step`: 1, a spike's `factor`, or NaN."""
+        factor = 1.0
+        for i, f in self._pending(step, ("nan", "spike")):
+            if self._mine(f):
+                self._mark(i, step)
+                factor *= math.nan if f.kind == "nan" else f.factor
+        return factor
+
+    def after_optimizer_step(self, step: int, model: torch.nn.Module) -> None:
+        """`bitflip`, `hang` and `slow` faults of this rank at `step`."""
+        for i, f in self._pending(step, ("bitflip", "hang")):
+            if self._mine(f):
+                self._mark(i, step)
+                if f.kind == "bitflip":
+                    flip_bit(next(model.parameters()))
+                else:
+                    time.sleep(f.seconds)
+        for f in (f for _, f in self.faults if f.kind == "slow" and self._mine(f)):
+            if f.step <= step < f.step + f.steps:
+                time.sleep(f.seconds)
+
+
+@torch.no_grad()
+def flip_bit(param: torch.Tensor, bit: int = 20) -> None:
+    """Flip one mantissa bit of the first element of a float32 parameter, in place."""
+    param.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << bit)

@@ -29,10 +29,11 @@ def world_sizes(uri: str, run_id: str) -> list[int]:
 
 
 def main(dataset: str, workdir: str) -> None:
-    os.environ.update(WORKER_ENV)
+    env = {**WORKER_ENV, "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15"}  # shrink sooner after a node loss
+    os.environ.update(env)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     worker_node = cluster.add_node(num_cpus=1)
-    ray.init(address=cluster.address, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=False)
+    ray.init(address=cluster.address, runtime_env={"env_vars": env}, log_to_driver=False)
     cfg = load_config(
         os.path.join(REPO, "configs", "tiny.yaml"),
         [
@@ -41,7 +42,7 @@ def main(dataset: str, workdir: str) -> None:
             f"tracking.uri=sqlite:///{workdir}/mlflow.db",
             "run.name=elastic",
             "model.preset=small",
-            "train.max_steps=200",
+            "train.max_steps=100",
             "train.global_batch_size=8",
             "checkpoint.interval_steps=10",
             "scaling.num_workers=[1,2]",
@@ -50,25 +51,28 @@ def main(dataset: str, workdir: str) -> None:
             "data.audit=true",
         ],
     )
-    events = []
     run_root = os.path.join(workdir, "runs", "elastic")
-
-    def chaos():
-        nonlocal worker_node
-        snapshot = os.path.join(run_root, "checkpoint_manager_snapshot.json")
-        while not (os.path.exists(snapshot) and '"step-20"' in Path(snapshot).read_text()):
-            time.sleep(0.5)
-        cluster.remove_node(worker_node, allow_graceful=False)
-        events.append(("removed", time.time()))
-        run_id = Path(run_root, "mlflow_run_id").read_text().strip()
-        while 1 not in world_sizes(cfg.tracking.uri, run_id):
-            time.sleep(1)
-        worker_node = cluster.add_node(num_cpus=1)
-        events.append(("added", time.time()))
-
-    threading.Thread(target=chaos, daemon=True).start()
-    run_id = run(cfg)
-    print(json.dumps({"run_id": run_id, "world_sizes": world_sizes(cfg.tracking.uri, run_id), "events": events}))
+    result: dict = {}
+    trainer = threading.Thread(target=lambda: result.update(run_id=run(cfg)))
+    trainer.start()
+    # Cluster changes must come from the main thread (Ray installs signal handlers there).
+    events = []
+    snapshot = Path(run_root, "checkpoint_manager_snapshot.json")
+    while not (snapshot.exists() and '"step-20"' in snapshot.read_text()):
+        time.sleep(0.5)
+    cluster.remove_node(worker_node, allow_graceful=False)
+    events.append("removed")
+    run_id = Path(run_root, "mlflow_run_id").read_text().strip()
+    while 1 not in world_sizes(cfg.tracking.uri, run_id) and trainer.is_alive():
+        time.sleep(1)
+    cluster.add_node(num_cpus=1)
+    events.append("added")
+    trainer.join()
+    print(
+        json.dumps(
+            {"run_id": result.get("run_id"), "world_sizes": world_sizes(cfg.tracking.uri, run_id), "events": events}
+        )
+    )
     ray.shutdown()
     cluster.shutdown()
 

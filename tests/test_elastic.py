@@ -1,0 +1,49 @@
+"""Elastic training on a 2-node local cluster: a node is removed mid-run and later comes back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+from conftest import REPO
+
+from raytrain_ft.data.audit import read_audit
+from raytrain_ft.data.manifest import load_manifest
+from raytrain_ft.data.order import EpochOrder
+
+
+def expected_step_ids(dataset: str, steps: int, global_batch_size: int) -> dict[int, list[int]]:
+    """What exactly-once means, computed from the order alone: step s takes positions [s*G, (s+1)*G)."""
+    m = load_manifest(dataset)
+    per_epoch = m.num_samples // global_batch_size
+    out = {}
+    for epoch in range((steps - 1) // per_epoch + 1):
+        order = EpochOrder(dataset, m, seed=0, epoch=epoch)
+        ids = pa.concat_tables([order.read(s) for s in order.segments(0, per_epoch * global_batch_size)])
+        ids = ids.column("sample_id").to_numpy().reshape(per_epoch, global_batch_size)
+        for i in range(per_epoch):
+            out[epoch * per_epoch + i + 1] = sorted(ids[i].tolist())
+    return {s: out[s] for s in range(1, steps + 1)}
+
+
+def test_shrink_on_node_loss_then_grow_back(tmp_path, dataset):
+    r = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tests", "scenarios", "elastic.py"), dataset, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    outcome = json.loads(r.stdout.strip().splitlines()[-1])
+    assert outcome["events"] == ["removed", "added"]
+    assert outcome["world_sizes"] == [2, 1, 2]  # start, after the node loss, after it came back
+
+    audit = read_audit(str(tmp_path / "runs" / "elastic"))
+    steps, ids = audit.column("step").to_numpy(), audit.column("sample_id").to_numpy()
+    got = {int(s): sorted(ids[steps == s].tolist()) for s in np.unique(steps)}
+    assert got == expected_step_ids(dataset, 100, 8)
