@@ -23,6 +23,10 @@ import torch
 import torch.distributed as dist
 
 
+class ReplicaMismatchError(RuntimeError):
+    """A guard alert under `guards.on_alert: restart`: Ray restarts from the last checkpoint."""
+
+
 @dataclass
 class SpikeGuard:
     factor: float = 10.0
@@ -76,9 +80,9 @@ def rank_spread(rows: torch.Tensor) -> torch.Tensor:
     return (rows.max(0).values - rows.min(0).values) / (rows.mean(0).abs() + 1e-9)
 
 
-def gather_rows(values: list[float], group: dist.ProcessGroup) -> torch.Tensor:
-    """all_gather of one float64 row per rank -> (world_size, len(values)) on every rank."""
-    row = torch.tensor(values, dtype=torch.float64)
+def gather_rows(values: list, group: dist.ProcessGroup, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """all_gather of one row per rank -> (world_size, len(values)) of `dtype`, on every rank."""
+    row = torch.tensor(values, dtype=dtype)
     rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
     dist.all_gather(rows, row, group=group)
     return torch.stack(rows)

@@ -1,15 +1,16 @@
 """The data-parallel training loop, run on every rank. Depends on `torch.distributed`, not on Ray.
 
-Read top to bottom: build (model, optimizer, schedule, state), restore, then one iteration per
-optimizer step: faults -> forward/backward over `grad_accum_steps` micro-batches -> clip (global
-grad norm) -> wait for the checkpoint snapshot -> optimizer step -> metrics -> commit/save.
+Read top to bottom: `train` builds the model, optimizer, schedule and the checkpointed state,
+restores, then runs `Trainer.step` once per optimizer step: forward/backward over
+`grad_accum_steps` micro-batches -> clip (global grad norm) -> spike guard (all ranks agree) ->
+wait for the checkpoint snapshot -> optimizer step or skip -> metrics -> rank check and replica
+fingerprint at their intervals -> commit/save, or roll back after persistent spikes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Iterator
 
@@ -21,18 +22,22 @@ from raytrain_ft.checkpoint import Checkpointer, cleanup, list_step_dirs, step_o
 from raytrain_ft.config import Config, TrainSection
 from raytrain_ft.data.audit import DataAudit
 from raytrain_ft.data.manifest import Manifest, load_manifest
+from raytrain_ft.data.order import EpochOrder
 from raytrain_ft.data.position import BatchPlan, DataPosition
 from raytrain_ft.errors import ConfigError
 from raytrain_ft.faults import FaultInjector
+from raytrain_ft.guards import ReplicaMismatchError, RollbackLog, SpikeGuard, gather_rows, rank_spread, replica_checksum
 from raytrain_ft.model import build_model, lm_loss
 from raytrain_ft.session import Session
 from raytrain_ft.tracking import RunLogger
 from raytrain_ft.train_state import (
     KEY_DATA,
+    KEY_GUARDS,
     KEY_META,
     KEY_MODEL,
     KEY_OPTIM,
     KEY_PROGRESS,
+    KEY_ROLLBACKS,
     KEY_SCHEDULER,
     ModelState,
     OptimizerState,
@@ -91,115 +96,256 @@ def train(cfg: Config, session: Session, tracking_uri: str, mlflow_run_id: str) 
 
     Raises:
         ConfigError, DataError, CheckpointError: one-line user errors (see `raytrain_ft.errors`).
+        ReplicaMismatchError: a guard alert under `guards.on_alert: restart`.
     """
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    manifest = load_manifest(cfg.data.path)
-    if cfg.train.seq_len not in (0, manifest.seq_len):
-        raise ConfigError(f"train.seq_len={cfg.train.seq_len} but the dataset has seq_len {manifest.seq_len}")
-    plan = BatchPlan(cfg.train.global_batch_size, cfg.train.micro_batch_size, world_size)
-    steps_per_epoch = manifest.num_samples // plan.global_batch_size
-    if steps_per_epoch == 0:
-        raise ConfigError(
-            f"train.global_batch_size={plan.global_batch_size} exceeds the {manifest.num_samples} samples"
+    trainer = Trainer(cfg, session, tracking_uri, mlflow_run_id)
+    while trainer.progress.step < cfg.train.max_steps:
+        trainer.step()
+    trainer.checkpointer.wait()
+
+
+class Trainer:
+    """One rank's training run: the components, and `step()`."""
+
+    def __init__(self, cfg: Config, session: Session, tracking_uri: str, mlflow_run_id: str):
+        self.cfg, self.session = cfg, session
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.manifest = load_manifest(cfg.data.path)
+        if cfg.train.seq_len not in (0, self.manifest.seq_len):
+            raise ConfigError(f"train.seq_len={cfg.train.seq_len} but the dataset has seq_len {self.manifest.seq_len}")
+        self.plan = BatchPlan(cfg.train.global_batch_size, cfg.train.micro_batch_size, self.world_size)
+        self.steps_per_epoch = self.manifest.num_samples // self.plan.global_batch_size
+        if self.steps_per_epoch == 0:
+            raise ConfigError(f"train.global_batch_size={self.plan.global_batch_size} exceeds the dataset")
+
+        torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+        m = cfg.model
+        self.model = build_model(m.preset, self.manifest.vocab_size, self.manifest.seq_len, m.dropout).to(self.device)
+        self.ddp = DDP(self.model, device_ids=[self.device.index] if cuda else None)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
         )
+        self.scheduler = lr_schedule(self.optimizer, cfg.train)
+        self.progress, self.position = Progress(), DataPosition()
+        g = cfg.guards.spike
+        self.guard, self.rollbacks = SpikeGuard(g.factor, g.window, g.warmup), RollbackLog()
+        num_params = sum(p.numel() for p in self.model.parameters())
 
-    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
-    model = build_model(cfg.model.preset, manifest.vocab_size, manifest.seq_len, cfg.model.dropout).to(device)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    scheduler = lr_schedule(optimizer, cfg.train)
-    progress, position = Progress(), DataPosition()
-    num_params = sum(p.numel() for p in model.parameters())
+        self.state = TrainState(self.rank)
+        self.state.add(KEY_MODEL, ModelState(self.ddp))
+        self.state.add(KEY_OPTIM, OptimizerState(self.ddp, self.optimizer))
+        self.state.add(KEY_SCHEDULER, Pickled(self.scheduler))
+        self.state.add(KEY_PROGRESS, Pickled(self.progress))
+        self.state.add(KEY_DATA, Pickled(self.position))
+        self.state.add(KEY_GUARDS, Pickled(self.guard))
+        self.state.add(KEY_ROLLBACKS, Pickled(self.rollbacks))
+        self.state.add(rng_key(self.rank), Pickled(RNGState()))
+        self.state.add(KEY_META, RunMeta(fingerprint(cfg, self.manifest, num_params), mlflow_run_id))
 
-    state = TrainState(rank)
-    state.add(KEY_MODEL, ModelState(ddp))
-    state.add(KEY_OPTIM, OptimizerState(ddp, optimizer))
-    state.add(KEY_SCHEDULER, Pickled(scheduler))
-    state.add(KEY_PROGRESS, Pickled(progress))
-    state.add(KEY_DATA, Pickled(position))
-    state.add(rng_key(rank), Pickled(RNGState()))
-    state.add(KEY_META, RunMeta(fingerprint(cfg, manifest, num_params), mlflow_run_id))
-
-    logger = RunLogger(tracking_uri, mlflow_run_id) if rank == 0 else None
-    checkpointer = Checkpointer(session.run_root, lambda s, p: (audit.flush(), session.commit(s, p, {"step": s})))
-    audit = DataAudit(session.run_root, checkpointer.control_group, cfg.data.audit)
-    resumed_from, loaded = restore(checkpointer, state, session, logger)
-    if rng_key(rank) not in loaded:  # fresh start, or a rank added by an elastic resize
-        seed_rngs(cfg.train.seed + progress.step, rank)
-    resumed_step = progress.step
-    if logger:
-        logger.metrics(progress.step, {"resumed_from_step": resumed_from or 0, "world_size": world_size})
+        self.logger = RunLogger(tracking_uri, mlflow_run_id) if self.rank == 0 else None
+        self.checkpointer = Checkpointer(session.run_root, self._commit)
+        self.group = self.checkpointer.control_group  # CPU gloo group for guard collectives
+        self.audit = DataAudit(session.run_root, self.group, cfg.data.audit)
+        self.faults = FaultInjector(cfg.faults, self.rank, session.run_root)
+        resumed_from, loaded = restore(self.checkpointer, self.state, session, self.logger)
+        if rng_key(self.rank) not in loaded:  # fresh start, or a rank added by an elastic resize
+            seed_rngs(cfg.train.seed + self.progress.step, self.rank)
+        self.first_step = self.progress.step + 1
+        self.batches = step_batches(session, self.position, self.plan, self.steps_per_epoch)
+        self.save_due = self.preemption_saved = False
+        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda)
+        if self.logger:
+            self.logger.metrics(
+                self.progress.step, {"resumed_from_step": resumed_from or 0, "world_size": self.world_size}
+            )
         log.info(
-            "rank 0: start at step %d (world size %d, grad_accum_steps %d)",
-            progress.step,
-            world_size,
-            plan.grad_accum_steps,
+            "rank %d: start at step %d (world size %d, grad_accum_steps %d)",
+            self.rank,
+            self.progress.step,
+            self.world_size,
+            self.plan.grad_accum_steps,
         )
 
-    faults = FaultInjector(cfg.faults, rank, session.run_root)
-    batches = step_batches(session, position, plan, steps_per_epoch)
-    preemption_saved = False
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    while progress.step < cfg.train.max_steps:
-        step = progress.step + 1
-        faults.before_step(step, settle=lambda: (checkpointer.wait(), session.flush()))
+    def _commit(self, step: int, path: str) -> None:
+        self.audit.flush()
+        self.session.commit(step, path, {"step": step})
+
+    def step(self) -> None:
+        step = self.progress.step + 1
+        self.faults.before_step(step, settle=self.settle)
         t0 = time.perf_counter()
-        micro_batches = next(batches)
-        audit.record(step, torch.cat([mb["sample_id"] for mb in micro_batches]))
-        loss = torch.zeros((), device=device)
+        micro_batches = next(self.batches)
+        self.audit.record(step, torch.cat([mb["sample_id"] for mb in micro_batches]))
+        local_loss = self.forward_backward(micro_batches, self.faults.loss_factor(step))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.ddp.parameters(), self.cfg.train.grad_clip))
+        skip, median = self.guard.decide(grad_norm)
+        totals = torch.tensor([local_loss, float(skip)], dtype=torch.float64)
+        dist.all_reduce(totals, group=self.group)  # SUM: global mean loss, and every rank's decision
+        if totals[1].item() not in (0, self.world_size):
+            raise ReplicaMismatchError(f"step {step}: ranks disagree on skipping (grad norms differ)")
+        self.checkpointer.wait_staged()  # the snapshot must be copied before the weights change
+        if not skip:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.progress.step = step
+        self.position.advance(self.plan.global_batch_size, self.steps_per_epoch)
+        self.faults.after_optimizer_step(step, self.model)
+        loss = totals[0].item() / self.world_size
+        self.log_step(step, loss, grad_norm, time.perf_counter() - t0)
+        if skip:
+            self.record_skip(step, grad_norm, median)
+        self.monitor(step, local_loss, grad_norm)
+        if self.guard.consecutive >= self.cfg.guards.spike.max_consecutive_skips:
+            self.rollback(step)
+            return
+        self.checkpointer.poll()
+        self.maybe_save(step)
+
+    def forward_backward(self, micro_batches: list[dict], loss_factor: float) -> float:
+        """Accumulate gradients over the micro-batches; return this rank's mean loss (float)."""
+        loss = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro_batches):
-            tokens = mb["tokens"].to(device, non_blocking=True)
-            sync = i == len(micro_batches) - 1  # all-reduce gradients only on the last micro-batch
-            with ddp.no_sync() if not sync else contextlib.nullcontext(), autocast:
-                micro_loss = lm_loss(ddp, tokens) / plan.grad_accum_steps
+            tokens = mb["tokens"].to(self.device, non_blocking=True)
+            last = i == len(micro_batches) - 1  # DDP all-reduces gradients only on the last micro-batch
+            with contextlib.nullcontext() if last else self.ddp.no_sync(), self.autocast:
+                micro_loss = lm_loss(self.ddp, tokens) * loss_factor / self.plan.grad_accum_steps
             micro_loss.backward()
             loss += micro_loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), cfg.train.grad_clip)
-        checkpointer.wait_staged()  # the snapshot must be copied before the weights change
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        progress.step = step
-        position.advance(plan.global_batch_size, steps_per_epoch)
+        return loss.item()
 
-        dist.all_reduce(loss)  # SUM (gloo has no AVG): the logged loss is the global mean
-        loss_value = loss.item() / world_size
-        step_time = time.perf_counter() - t0
-        if logger:
-            tokens_per_s = plan.global_batch_size * manifest.seq_len / step_time
-            logger.metrics(
+    def log_step(self, step: int, loss: float, grad_norm: float, step_time: float) -> None:
+        if not self.logger:
+            return
+        tokens_per_s = self.plan.global_batch_size * self.manifest.seq_len / step_time
+        self.logger.metrics(
+            step,
+            {
+                "loss": loss,
+                "lr": self.scheduler.get_last_lr()[0],
+                "grad_norm": grad_norm,
+                "tokens_per_s": tokens_per_s,
+                "step_time_s": step_time,
+                "epoch": self.position.epoch,
+                "checkpoint_stall_s": self.checkpointer.last_stall_s,
+            },
+        )
+        self.checkpointer.last_stall_s = 0.0
+        if step % 5 == 0 or step == self.first_step:
+            log.info(
+                "step %d/%d loss %.4f grad_norm %.3f %.0f tokens/s",
                 step,
-                {
-                    "loss": loss_value,
-                    "lr": scheduler.get_last_lr()[0],
-                    "grad_norm": float(grad_norm),
-                    "tokens_per_s": tokens_per_s,
-                    "step_time_s": step_time,
-                    "epoch": position.epoch,
-                    "checkpoint_stall_s": checkpointer.last_stall_s,
-                },
+                self.cfg.train.max_steps,
+                loss,
+                grad_norm,
+                tokens_per_s,
             )
-            if step % 5 == 0 or step == resumed_step + 1:
-                log.info(
-                    "step %d/%d loss %.4f grad_norm %.3f %.0f tokens/s",
-                    step,
-                    cfg.train.max_steps,
-                    loss_value,
-                    grad_norm,
-                    tokens_per_s,
-                )
-        checkpointer.last_stall_s = 0.0
-        checkpointer.poll()
-        if step % cfg.checkpoint.interval_steps == 0 or step == cfg.train.max_steps:
-            checkpointer.save(step, state, slow_writer=faults.slow_save(step))
-            faults.after_save_started(step)
-        if not preemption_saved and session.preemption_pending():
-            save_before_preemption(checkpointer, state, step, logger)
-            preemption_saved = True
-    checkpointer.wait()
-    if not math.isfinite(loss_value):
-        log.warning("final loss is not finite: %s", loss_value)
+
+    def record_skip(self, step: int, grad_norm: float, median: float | None) -> None:
+        log.warning("rank %d: skipped step %d: grad_norm %s vs median %s", self.rank, step, grad_norm, median)
+        if self.logger:
+            self.logger.metrics(step, {"skipped_steps": self.guard.skipped})
+            self.logger.event("skipped_step", step=step, grad_norm=grad_norm, median=median)
+
+    def monitor(self, step: int, local_loss: float, grad_norm: float) -> None:
+        """Cross-rank sanity check and replica fingerprint at their intervals (collectives)."""
+        g = self.cfg.guards
+        if step % g.rank_check.interval_steps == 0:
+            rows = gather_rows([local_loss, grad_norm], self.group)
+            spread = rank_spread(rows)
+            if spread.max().item() > g.rank_check.max_spread:
+                self.alert(step, "rank_spread", {"loss_grad_norm_by_rank": rows.tolist(), "spread": spread.tolist()})
+        if step % g.fingerprint.interval_steps == 0:
+            self.check_replicas(step)
+
+    def check_replicas(self, step: int) -> bool:
+        """Compare weight checksums across ranks; alert on a mismatch. True if consistent."""
+        sums = gather_rows([replica_checksum(self.model)], self.group, dtype=torch.int64)[:, 0]
+        if bool((sums == sums[0]).all()):
+            return True
+        self.alert(step, "replica_mismatch", {"checksums_by_rank": sums.tolist()})
+        return False
+
+    def alert(self, step: int, kind: str, detail: dict) -> None:
+        """Every rank calls this with the same decision: log it; under `restart`, raise."""
+        log.error("step %d: %s alert: %s", step, kind, detail)
+        if self.logger:
+            self.logger.event(kind, step=step, **detail)
+            self.logger.metrics(step, {"rank_alerts": 1})
+        if self.cfg.guards.on_alert == "restart":
+            self.settle()  # let an in-flight (checked) checkpoint commit first: less work lost
+            raise ReplicaMismatchError(f"step {step}: {kind} {detail}")
+
+    def maybe_save(self, step: int) -> None:
+        """Periodic, final and just-in-time (preemption) saves; none while a skip streak is on."""
+        self.save_due |= step % self.cfg.checkpoint.interval_steps == 0
+        final = step == self.cfg.train.max_steps
+        if (self.save_due and self.guard.consecutive == 0) or final:
+            if self.check_replicas(step) or final:
+                self.checkpointer.save(step, self.state, slow_writer=self.faults.slow_save(step))
+                self.faults.after_save_started(step)
+            self.save_due = False
+        if not self.preemption_saved and self.session.preemption_pending():
+            save_before_preemption(self.checkpointer, self.state, step, self.logger)
+            self.preemption_saved = True
+
+    def settle(self) -> None:
+        """Finish the in-flight save and wait until the runtime registered every commit."""
+        self.checkpointer.wait()
+        self.session.flush()
+
+    def rollback(self, step: int) -> None:
+        """Persistent spikes: reload the last checkpoint before the streak and skip a data window."""
+        self.checkpointer.wait()
+        first_bad = step - self.guard.consecutive + 1
+        complete = sorted(
+            (s for s, ok in list_step_dirs(self.session.run_root).items() if ok and s < first_bad), reverse=True
+        )
+        if not complete:
+            raise ReplicaMismatchError(
+                f"{self.guard.consecutive} skipped steps in a row and no checkpoint before step {first_bad}"
+            )
+        target = step_path(self.session.run_root, complete[0])
+        keep = self.state.components.pop(KEY_ROLLBACKS)  # the rollback record survives the reload
+        try:
+            self.checkpointer.restore(self.state, [target], lambda path, reason: None)
+        finally:
+            self.state.add(KEY_ROLLBACKS, keep)
+        self.audit.discard_after(self.progress.step)
+        window = self.cfg.guards.spike.skip_window_steps
+        skipped = self.window_sample_ids(window)
+        for _ in range(window):
+            self.position.advance(self.plan.global_batch_size, self.steps_per_epoch)
+        record = {
+            "at_step": step,
+            "to_step": self.progress.step,
+            "skipped_steps": window,
+            "skipped_sample_ids": skipped,
+        }
+        self.rollbacks.rollbacks.append(record)
+        self.batches = step_batches(self.session, self.position, self.plan, self.steps_per_epoch)
+        log.warning(
+            "rank %d: rolled back from step %d to %d, skipping %d global batches",
+            self.rank,
+            step,
+            self.progress.step,
+            window,
+        )
+        if self.logger:
+            self.logger.event("rollback", **record)
+            self.logger.metrics(step, {"rollbacks": len(self.rollbacks.rollbacks)})
+
+    def window_sample_ids(self, steps: int) -> list[int]:
+        """Sample ids of the next `steps` global batches from the current position."""
+        ids, pos = [], DataPosition(self.position.epoch, self.position.consumed)
+        for _ in range(steps):
+            order = EpochOrder(self.cfg.data.path, self.manifest, self.cfg.train.seed, pos.epoch)
+            for seg in order.segments(pos.consumed, pos.consumed + self.plan.global_batch_size):
+                ids += order.read(seg).column("sample_id").to_pylist()
+            pos.advance(self.plan.global_batch_size, self.steps_per_epoch)
+        return ids
 
 
 def save_before_preemption(checkpointer: Checkpointer, state: TrainState, step: int, logger: RunLogger | None) -> None:
