@@ -72,6 +72,7 @@ class CheckpointSection:
 class FailureSection:
     max_failures: int = 3  # worker-group restarts before the run fails (Ray FailureConfig)
     collective_timeout_s: int = 600  # process-group timeout: a stuck collective becomes an error
+    hang_timeout_s: float = 0.0  # no step for this long: dump stacks, exit, restart; 0 = max(10 x median step, 300 s)
 
 
 @dataclass

@@ -49,6 +49,7 @@ from raytrain_ft.train_state import (
     rng_key,
     seed_rngs,
 )
+from raytrain_ft.watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,9 @@ def train(cfg: Config, session: Session, tracking_uri: str, mlflow_run_id: str) 
     trainer = Trainer(cfg, session, tracking_uri, mlflow_run_id)
     while trainer.progress.step < cfg.train.max_steps:
         trainer.step()
+        trainer.watchdog.beat()
     trainer.checkpointer.wait()
+    trainer.watchdog.stop()
 
 
 class Trainer:
@@ -149,6 +152,10 @@ class Trainer:
         self.group = self.checkpointer.control_group  # CPU gloo group for guard collectives
         self.audit = DataAudit(session.run_root, self.group, cfg.data.audit)
         self.faults = FaultInjector(cfg.faults, self.rank, session.run_root)
+        hang_logger = RunLogger(tracking_uri, mlflow_run_id)  # every rank: the hung one reports its stacks
+        self.watchdog = StepWatchdog(
+            cfg.failure.hang_timeout_s, session.run_root, self.rank, lambda dump: hang_logger.hang(self.rank, dump)
+        )
         resumed_from, loaded = restore(self.checkpointer, self.state, session, self.logger)
         if rng_key(self.rank) not in loaded:  # fresh start, or a rank added by an elastic resize
             seed_rngs(cfg.train.seed + self.progress.step, self.rank)
@@ -160,6 +167,7 @@ class Trainer:
             self.logger.metrics(
                 self.progress.step, {"resumed_from_step": resumed_from or 0, "world_size": self.world_size}
             )
+            self.logger.event("attempt_start", resumed_from=resumed_from or 0, world_size=self.world_size)
         log.info(
             "rank %d: start at step %d (world size %d, grad_accum_steps %d)",
             self.rank,
@@ -230,9 +238,13 @@ class Trainer:
                 "step_time_s": step_time,
                 "epoch": self.position.epoch,
                 "checkpoint_stall_s": self.checkpointer.last_stall_s,
+                "last_step": step,
             },
         )
         self.checkpointer.last_stall_s = 0.0
+        if step == self.first_step:
+            self.logger.event("first_step", step=step)
+            self.logger.write_recovery_tables()
         if step % 5 == 0 or step == self.first_step:
             log.info(
                 "step %d/%d loss %.4f grad_norm %.3f %.0f tokens/s",

@@ -18,6 +18,8 @@ import fsspec
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
+from raytrain_ft import recovery
+
 RUN_ID_FILE = "mlflow_run_id"
 EVENTS_FILE = "events.json"
 
@@ -93,6 +95,23 @@ class RunLogger:
             return []
         with open(path) as f:
             return json.load(f)
+
+    def hang(self, rank: int, dump: str) -> None:
+        """A hang's stack dump as an artifact, plus an event."""
+        name = f"hangs/rank{rank}-{int(time.time())}.txt"
+        self.client.log_text(self.run_id, dump, name)
+        self.event("hang", rank=rank, stack_dump=name)
+
+    def write_recovery_tables(self) -> None:
+        """Rebuild `recovery_history.json`, `guard_events.json` and the recovery totals from the events."""
+        events = self.events()
+        rows, guards = recovery.recovery_rows(events), recovery.guard_rows(events)
+        # Written whole each time in `log_table`'s layout ({"columns", "data"}); `log_table` itself appends.
+        if rows:
+            self.client.log_dict(self.run_id, recovery.split_table(rows), recovery.RECOVERY_TABLE)
+            self.metrics(0, recovery.totals(rows))
+        if guards:
+            self.client.log_dict(self.run_id, recovery.split_table(guards), recovery.GUARD_TABLE)
 
     def finish(self, status: str) -> None:
         self.client.set_terminated(self.run_id, status=status)

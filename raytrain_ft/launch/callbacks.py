@@ -22,7 +22,8 @@ COMMIT_ACK_FILE = "last_commit_ack"
 class RunRecorder(UserCallback):
     """Runs on the controller.
 
-    On every failure: `restarts` += 1, the cause as a tag and an event. On every registered
+    On every failure: the cause as a tag and a `failure` event (`raytrain_ft.recovery` turns the
+    events into the recovery history and the `restarts` metric when the next attempt starts). On every registered
     checkpoint: its path is written to `<run folder>/last_commit_ack`, so a worker can wait until
     Ray has registered a commit (`RaySession.flush`).
     """
@@ -38,7 +39,11 @@ class RunRecorder(UserCallback):
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
         logger = RunLogger(self.tracking_uri, self.run_id)
         causes = {rank: describe(e) for rank, e in sorted(worker_exceptions.items())}
-        restarts = int(logger.latest("restarts")) + 1
-        logger.metrics(restarts, {"restarts": restarts})
         logger.tags({"last_failure_cause": "; ".join(f"rank {r}: {c}" for r, c in causes.items())})
-        logger.event("failure", causes={str(r): c for r, c in causes.items()})
+        logger.event(
+            "failure",
+            causes={str(r): c for r, c in causes.items()},
+            last_step=int(logger.latest("last_step")),
+            step_time_s=logger.latest("step_time_s"),
+            world_size=int(logger.latest("world_size")),
+        )

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import numpy as np
-import pyarrow as pa
 import ray.data
 import torch
 from ray.data.block import BlockMetadata
@@ -39,20 +37,6 @@ class EpochDatasource(Datasource):
         ]
 
 
-def _rank_rows(plan: BatchPlan, rank: int):
-    def select(batch: pa.Table) -> dict[str, np.ndarray]:
-        mine = plan.owner(batch.column("position").to_numpy()) == rank
-        batch = batch.filter(pa.array(mine))
-        tokens = batch.column("tokens").combine_chunks()
-        flat = tokens.flatten().to_numpy() if len(batch) else np.zeros(0, np.int32)
-        return {
-            "sample_id": batch.column("sample_id").to_numpy(),
-            "tokens": flat.astype(np.int64).reshape(len(batch), tokens.type.list_size),
-        }
-
-    return select
-
-
 def rank_micro_batches(
     path: str, manifest: Manifest, seed: int, epoch: int, start: int, stop: int, plan: BatchPlan, rank: int
 ) -> Iterator[dict[str, torch.Tensor]]:
@@ -63,5 +47,7 @@ def rank_micro_batches(
     ds = ray.data.read_datasource(
         EpochDatasource(EpochOrder(path, manifest, seed, epoch), start, stop), num_cpus=READ_CPUS
     )
-    ds = ds.map_batches(_rank_rows(plan, rank), batch_format="pyarrow", batch_size=None, num_cpus=READ_CPUS)
+    ds = ds.map_batches(
+        plan.rank_rows, fn_kwargs={"rank": rank}, batch_format="pyarrow", batch_size=None, num_cpus=READ_CPUS
+    )
     yield from ds.iter_torch_batches(batch_size=plan.micro_batch_size, prefetch_batches=4, drop_last=False)

@@ -28,7 +28,11 @@ log = logging.getLogger(__name__)
 WORKER_ENV = {
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",  # default 2 s: reports and failures noticed sooner
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",  # worker prints appear once
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a failed NCCL collective tears the process down
+    # A failed or timed-out NCCL collective tears the process down instead of hanging; the timeout is
+    # the process group's (TorchConfig(timeout_s=failure.collective_timeout_s)): NCCL_TIMEOUT alone is
+    # not read by PyTorch.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    "TORCH_NCCL_BLOCKING_WAIT": "1",  # wait() raises on timeout rather than blocking forever
 }
 
 

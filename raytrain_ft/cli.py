@@ -1,0 +1,141 @@
+"""The `raytrain-ft` command line. One subcommand per task; add one with a `_add_<name>` function below.
+
+    raytrain-ft plan-interval --mtbf-hours 10000 --gpus 1000 --checkpoint-seconds 300
+    raytrain-ft history RUN_NAME_OR_ID [--tracking-uri sqlite:///mlflow.db]
+
+Errors in the input print one `error: ...` line on stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from raytrain_ft import interval
+
+
+def _plan_interval(args: argparse.Namespace) -> int:
+    """Young's and Daly's checkpoint intervals and the expected waste for a cluster (see `raytrain_ft.interval`)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    positive = {
+        "--mtbf-hours": args.mtbf_hours,
+        "--gpus": args.gpus,
+        "--checkpoint-seconds": args.checkpoint_seconds,
+    }
+    if args.step_seconds is not None:
+        positive["--step-seconds"] = args.step_seconds
+    for flag, value in positive.items():
+        if not value > 0:
+            raise ValueError(f"{flag} must be positive, got {value}")
+    if not args.restart_seconds >= 0:
+        raise ValueError(f"--restart-seconds must not be negative, got {args.restart_seconds}")
+
+    mtbf_s = interval.cluster_mtbf_s(args.mtbf_hours, args.gpus)
+    young_s = interval.young_interval_s(args.checkpoint_seconds, mtbf_s)
+    daly_s = interval.daly_interval_s(args.checkpoint_seconds, mtbf_s)
+    waste = interval.expected_waste_fraction(daly_s, args.checkpoint_seconds, mtbf_s, args.restart_seconds)
+
+    table = Table(title="Checkpoint interval")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    table.add_column("unit")
+    table.add_row("cluster MTBF", f"{mtbf_s / 3600:.1f}", "hours")
+    table.add_row("checkpoint cost", f"{args.checkpoint_seconds:g}", "seconds")
+    table.add_row("restart time", f"{args.restart_seconds:g}", "seconds")
+    table.add_row("Young interval sqrt(2 C M)", f"{young_s / 60:.1f}", "minutes")
+    table.add_row("Daly interval (recommended)", f"{daly_s / 60:.1f}", "minutes")
+    if args.step_seconds is not None:
+        steps = interval.interval_steps(daly_s, args.step_seconds)
+        table.add_row("checkpoint.interval_steps (Daly)", str(steps), "steps")
+    table.add_row("expected waste at Daly interval", f"{100 * waste:.1f}", "% of wall time")
+    Console().print(table)
+    return 0
+
+
+def _add_plan_interval(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan-interval",
+        help="checkpoint interval from MTBF and checkpoint cost (Young 1974, Daly 2006)",
+        description="Optimal checkpoint interval (compute time between checkpoints) for a cluster whose GPUs "
+        "fail independently: Young's sqrt(2 C M) and Daly's higher-order estimate, and the first-order "
+        "expected fraction of wall time lost at Daly's interval.",
+    )
+    p.add_argument("--mtbf-hours", type=float, required=True, help="mean time between failures of one GPU, hours")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs in the job")
+    p.add_argument("--checkpoint-seconds", type=float, required=True, help="time one checkpoint costs, seconds")
+    p.add_argument("--restart-seconds", type=float, default=0.0, help="time to restart after a failure, seconds")
+    p.add_argument("--step-seconds", type=float, default=None, help="seconds per training step: also print steps")
+    p.set_defaults(func=_plan_interval)
+
+
+def _history(args: argparse.Namespace) -> int:
+    """Print a run's recovery history, guard events and totals from MLflow (see `raytrain_ft.recovery`)."""
+    from mlflow.tracking import MlflowClient
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from raytrain_ft import recovery
+    from raytrain_ft.tracking import RunLogger, resolve_uri
+
+    uri = resolve_uri(args.tracking_uri)
+    client = MlflowClient(uri)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    matches = client.search_runs(experiments, f"attributes.run_id = '{args.run}'") if len(args.run) == 32 else []
+    matches = matches or client.search_runs(experiments, f"attributes.run_name = '{args.run}'")
+    if not matches:
+        raise ValueError(f"no MLflow run named or with id {args.run!r} in {uri}; pass --tracking-uri")
+    run = matches[0]
+    events = RunLogger(uri, run.info.run_id).events()
+    console = Console(width=200)
+    console.print(f"run {run.info.run_name} ({run.info.run_id}), status {run.info.status}")
+    for title, rows in (
+        ("Recovery history", recovery.recovery_rows(events)),
+        ("Guard events", recovery.guard_rows(events)),
+    ):
+        table = Table(title=title)
+        keys = list(rows[0]) if rows else ["(none)"]
+        for key in keys:
+            table.add_column(key)
+        for row in rows:
+            table.add_row(*(escape(str(row[k])) for k in keys))  # causes contain "[...]"
+        console.print(table)
+    totals = recovery.totals(recovery.recovery_rows(events))
+    console.print(", ".join(f"{k} {v:g}" for k, v in totals.items()))
+    return 0
+
+
+def _add_history(subparsers) -> None:
+    p = subparsers.add_parser("history", help="a run's recovery history and guard events, from MLflow")
+    p.add_argument("run", help="MLflow run name (run.name) or run id")
+    p.add_argument("--tracking-uri", default="", help="MLflow tracking URI (default sqlite:///<cwd>/mlflow.db)")
+    p.set_defaults(func=_history)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raytrain-ft", description="Fault-tolerant LLM pretraining on Ray Train.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_plan_interval(subparsers)
+    _add_history(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (argparse usage errors also give 2)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error argparse already printed
+        return e.code if isinstance(e.code, int) else 1
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

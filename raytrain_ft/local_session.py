@@ -1,0 +1,55 @@
+"""A `Session` without Ray, for `torchrun` and the benchmarks: pyarrow reads, file-based commits.
+
+Commits are recorded by rank 0 in `<run folder>/latest_checkpoint` (written to a temporary file
+and renamed, so it always names a complete checkpoint). Preemption notices do not exist here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import fsspec
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from raytrain_ft.data.manifest import load_manifest
+from raytrain_ft.data.order import EpochOrder
+from raytrain_ft.data.position import BatchPlan
+
+LATEST = "latest_checkpoint"
+
+
+class LocalSession:
+    def __init__(self, run_root: str, data_path: str, seed: int):
+        self.run_root, self.data_path, self.seed = run_root.rstrip("/"), data_path, seed
+        self.manifest = load_manifest(data_path)
+        self.fs, self.base = fsspec.core.url_to_fs(self.run_root)
+
+    def latest_checkpoint(self) -> str | None:
+        path = f"{self.base}/{LATEST}"
+        return self.fs.cat_file(path).decode() if self.fs.exists(path) else None
+
+    def commit(self, step: int, path: str, metrics: dict[str, float]) -> None:
+        if dist.get_rank() == 0:
+            self.fs.makedirs(self.base, exist_ok=True)
+            with self.fs.open(f"{self.base}/{LATEST}.tmp", "w") as f:
+                f.write(path)
+            self.fs.mv(f"{self.base}/{LATEST}.tmp", f"{self.base}/{LATEST}")
+
+    def flush(self) -> None:
+        dist.barrier()
+
+    def preemption_pending(self) -> bool:
+        return False
+
+    def micro_batches(self, epoch: int, start: int, stop: int, plan: BatchPlan) -> Iterator[dict[str, torch.Tensor]]:
+        order = EpochOrder(self.data_path, self.manifest, self.seed, epoch)
+        rank, m = dist.get_rank(), plan.micro_batch_size
+        buffered = {"sample_id": np.zeros(0, np.int64), "tokens": np.zeros((0, self.manifest.seq_len + 1), np.int64)}
+        for seg in order.segments(start, stop):
+            rows = plan.rank_rows(order.read(seg), rank)
+            buffered = {k: np.concatenate([buffered[k], rows[k]]) for k in buffered}
+            while len(buffered["sample_id"]) >= m:
+                yield {k: torch.from_numpy(v[:m]) for k, v in buffered.items()}
+                buffered = {k: v[m:] for k, v in buffered.items()}

@@ -1,0 +1,93 @@
+"""The run's recovery history, derived from the events every component logs to MLflow.
+
+Events (artifact `events.json`, see `tracking.RunLogger.event`): `failure` (written by the Ray
+Train controller callback: time, cause per rank, last completed step, step time and world size at
+that moment), `attempt_start` (rank 0 after restore: step resumed from, world size) and
+`first_step` (rank 0 after the first step of an attempt). `recovery_rows` joins them into one row
+per failure: wall time, cause, last completed step, step resumed from, lost steps, lost compute
+(lost steps x the step time at the failure, seconds), downtime (failure to first step after the
+resume, seconds), world size before and after. Guard events (skipped steps, rollbacks, rank alerts,
+hangs, corrupt checkpoints) form a second table.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+GUARD_EVENT_KINDS = ("skipped_step", "rollback", "rank_spread", "replica_mismatch", "hang", "corrupt_checkpoint")
+RECOVERY_TABLE = "recovery_history.json"
+GUARD_TABLE = "guard_events.json"
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, tz=timezone.utc).isoformat(timespec="seconds")
+
+
+def _failures(events: list[dict]) -> list[tuple[int, dict]]:
+    """(index, failure) pairs; the controller may report one failure in several calls (one per failed
+    rank) before the next attempt starts: those are merged, keeping the first time and step."""
+    merged: list[tuple[int, dict]] = []
+    open_failure = False
+    for i, e in enumerate(events):
+        if e["kind"] == "attempt_start":
+            open_failure = False
+        elif e["kind"] == "failure" and open_failure:
+            merged[-1][1]["causes"] = {**e["causes"], **merged[-1][1]["causes"]}
+        elif e["kind"] == "failure":
+            merged.append((i, dict(e)))
+            open_failure = True
+    return merged
+
+
+def recovery_rows(events: list[dict]) -> list[dict]:
+    """One dict per failure (oldest first); fields not known yet (no resume so far) are None."""
+    rows = []
+    for i, e in _failures(events):
+        later = events[i + 1 :]
+        start = next((x for x in later if x["kind"] == "attempt_start"), None)
+        first = next((x for x in later if x["kind"] == "first_step" and start and x["time"] >= start["time"]), None)
+        resumed = start["resumed_from"] if start else None
+        lost = e["last_step"] - resumed if resumed is not None else None
+        rows.append(
+            {
+                "failed_at": _iso(e["time"]),
+                "cause": "; ".join(f"rank {r}: {c}" for r, c in sorted(e["causes"].items())),
+                "last_step": e["last_step"],
+                "resumed_from": resumed,
+                "lost_steps": lost,
+                "lost_compute_s": round(lost * e["step_time_s"], 3) if lost is not None else None,
+                "downtime_s": round(first["time"] - e["time"], 3) if first else None,
+                "world_size_before": e["world_size"],
+                "world_size_after": start["world_size"] if start else None,
+            }
+        )
+    return rows
+
+
+def guard_rows(events: list[dict]) -> list[dict]:
+    """Guard events, one dict each: time, kind, step and the event's other fields as text."""
+    return [
+        {
+            "time": _iso(e["time"]),
+            "kind": e["kind"],
+            "step": e.get("step", e.get("at_step")),
+            "detail": ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("time", "kind", "step"))[:500],
+        }
+        for e in events
+        if e["kind"] in GUARD_EVENT_KINDS
+    ]
+
+
+def totals(rows: list[dict]) -> dict[str, float]:
+    """`restarts`, `lost_steps_total`, `downtime_s_total` over the recovery rows."""
+    return {
+        "restarts": float(len(rows)),
+        "lost_steps_total": float(sum(r["lost_steps"] or 0 for r in rows)),
+        "downtime_s_total": float(sum(r["downtime_s"] or 0 for r in rows)),
+    }
+
+
+def split_table(rows: list[dict]) -> dict[str, list]:
+    """Row dicts -> `{"columns": [...], "data": [[...], ...]}` (pandas "split" layout, as `mlflow.log_table`)."""
+    keys = list(rows[0]) if rows else []
+    return {"columns": keys, "data": [[r[k] for k in keys] for r in rows]}

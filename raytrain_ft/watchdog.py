@@ -1,0 +1,78 @@
+"""Step watchdog: a rank that completes no step for `timeout_s` dumps every thread's stack and exits.
+
+A hung collective or a stuck data read otherwise blocks forever (the process-group timeout covers
+collectives only, and only when the backend honours it). The watchdog is a daemon thread: if no
+`beat()` arrives for `timeout_s` seconds it writes `faulthandler`'s dump of all Python threads to
+stderr (the Ray worker log) and to `<run folder>/hangs/rank<R>-<unix time>.txt`, calls `on_hang`
+with the dump (rank 0 logs it to MLflow), then `os._exit(HANG_EXIT_CODE)`, so Ray restarts the
+worker group from the last checkpoint.
+
+Timeout: `failure.hang_timeout_s`, or when it is 0 the larger of 10 x the median step time so far
+and 300 s (the design notes' rule of thumb: a step is never 10x slower when healthy).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import fsspec
+
+HANG_EXIT_CODE = 75
+MIN_AUTO_TIMEOUT_S = 300.0
+
+
+class StepWatchdog:
+    def __init__(self, timeout_s: float, run_root: str, rank: int, on_hang: Callable[[str], None] | None = None):
+        self.fixed_timeout_s, self.run_root, self.rank, self.on_hang = timeout_s, run_root.rstrip("/"), rank, on_hang
+        self.last_beat = time.monotonic()
+        self.step_times: deque[float] = deque(maxlen=100)
+        self.stopped = threading.Event()
+        threading.Thread(target=self._watch, name="step-watchdog", daemon=True).start()
+
+    @property
+    def timeout_s(self) -> float:
+        if self.fixed_timeout_s > 0:
+            return self.fixed_timeout_s
+        median = statistics.median(self.step_times) if self.step_times else 0.0
+        return max(10 * median, MIN_AUTO_TIMEOUT_S)
+
+    def beat(self) -> None:
+        """Call after every completed step."""
+        now = time.monotonic()
+        self.step_times.append(now - self.last_beat)
+        self.last_beat = now
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _watch(self) -> None:
+        while not self.stopped.wait(1.0):
+            if time.monotonic() - self.last_beat > self.timeout_s:
+                self._dump_and_exit()
+
+    def _dump_and_exit(self) -> None:
+        with tempfile.TemporaryFile("w+") as f:
+            f.write(f"rank {self.rank}: no step completed for {self.timeout_s:.0f} s; stacks of all threads:\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+            f.seek(0)
+            dump = f.read()
+        sys.stderr.write(dump)
+        sys.stderr.flush()
+        try:
+            with fsspec.open(
+                f"{self.run_root}/hangs/rank{self.rank}-{int(time.time())}.txt", "w", auto_mkdir=True
+            ) as out:
+                out.write(dump)
+            if self.on_hang:
+                self.on_hang(dump)
+        finally:
+            os._exit(HANG_EXIT_CODE)
