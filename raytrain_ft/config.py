@@ -130,7 +130,7 @@ class Config:
     failure: FailureSection = field(default_factory=FailureSection)
     tracking: TrackingSection = field(default_factory=TrackingSection)
     guards: GuardsSection = field(default_factory=GuardsSection)
-    faults: list[FaultSpec] = field(default_factory=list)
+    faults: list[FaultSpec] = field(default_factory=list)  # injected faults (raytrain_ft.faults), each once per run
 
     @property
     def worker_range(self) -> tuple[int, int]:
@@ -148,6 +148,49 @@ def valid_keys(cls: type = Config, prefix: str = "") -> list[str]:
         else:
             keys.append(f"{prefix}{f.name}")
     return keys
+
+
+def reference_rows(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key, type, default, meaning) of every config key, the meaning read from the trailing
+    `# comment` of the field in this module's source, so the README's reference cannot drift."""
+    comments = _field_comments(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory):
+            rows += reference_rows(f.default_factory, f"{prefix}{f.name}.")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        type_name = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        rows.append((f"{prefix}{f.name}", type_name, repr(default), comments.get(f.name, "")))
+    return rows
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    import inspect
+    import io
+    import tokenize
+
+    comments, name = {}, None
+    for tok in tokenize.generate_tokens(io.StringIO(inspect.getsource(cls)).readline):
+        if tok.type == tokenize.NAME and tok.start[1] == 4 and name is None:
+            name = tok.string
+        elif tok.type == tokenize.COMMENT and name:
+            comments[name] = tok.string.lstrip("# ")
+        elif tok.type == tokenize.NEWLINE:
+            name = None
+    return comments
+
+
+def reference_markdown() -> str:
+    """The configuration reference as a markdown table (`python -m raytrain_ft.config`)."""
+    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    lines += [f"| `{k}` | {t} | `{d}` | {m.replace('|', '/')} |" for k, t, d, m in reference_rows()]
+    lines.append(
+        "| `faults[].kind`, `.step`, `.rank`, `.steps`, `.factor`, `.seconds` | see `faults` | | "
+        + "; ".join(f"`{k}`: {m}" for k, _, _, m in reference_rows(FaultSpec)).replace("|", "/")
+        + " |"
+    )
+    return "\n".join(lines) + "\n"
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
@@ -219,3 +262,7 @@ def _validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"config key '{key}' must be >= 1, got {value}")
+
+
+if __name__ == "__main__":
+    print(reference_markdown(), end="")

@@ -8,8 +8,10 @@ import sysconfig
 
 import pytest
 import ray
+import torch
 from mlflow.tracking import MlflowClient
 
+from raytrain_ft.checkpoint import load_model_state_dict, load_tensors, step_path
 from raytrain_ft.config import load_config
 from raytrain_ft.data.prepare import PrepareSettings, prepare
 from raytrain_ft.launch.trainer import WORKER_ENV
@@ -58,3 +60,29 @@ def metric_by_step(cfg, run_id: str, key: str) -> dict[int, float]:
 
 def step_dirs(cfg) -> list[str]:
     return sorted(glob.glob(os.path.join(cfg.run.storage_path, cfg.run.name, "step-*")))
+
+
+def run_root(cfg) -> str:
+    return os.path.join(cfg.run.storage_path, cfg.run.name)
+
+
+def final_state(cfg, step: int) -> dict[str, torch.Tensor]:
+    path = step_path(run_root(cfg), step)
+    return {**load_model_state_dict(path), **{f"optim.{k}": v for k, v in load_tensors(path, "optim").items()}}
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and len(a) > 20
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, dataset, ray_local):
+    """The uninterrupted 30-step run every resume test compares against."""
+    tmp = tmp_path_factory.mktemp("reference")
+    from raytrain_ft.launch.trainer import run
+
+    cfg = make_config(tmp, dataset, "run.name=ref", "train.max_steps=30", "data.audit=true")
+    run_id = run(cfg)
+    return cfg, run_id, final_state(cfg, 30)

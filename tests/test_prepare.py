@@ -38,7 +38,7 @@ def test_rerun_reuses_and_new_settings_replace(tmp_path):
     assert not reused and other.seq_len == 16 and other.fingerprint != first.fingerprint
     with open(os.path.join(out, "manifest.json")) as f:
         assert json.load(f)["seq_len"] == 16
-    assert [p for p in os.listdir(tmp_path) if "partial" in p] == []
+    assert sorted(os.listdir(out)) == ["manifest.json", "shard-00000.parquet", "tokenizer.json"]
 
 
 def test_jsonl_and_parquet_inputs(tmp_path):

@@ -5,39 +5,14 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
-from conftest import make_config, metric_by_step, step_dirs
+from conftest import assert_same_state, final_state, make_config, metric_by_step, run_root, step_dirs
 from mlflow.tracking import MlflowClient
 
-from raytrain_ft.checkpoint import load_model_state_dict, load_tensors, step_path
+from raytrain_ft.checkpoint import step_path
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.launch.trainer import RunFailed, run
 
 pytestmark = pytest.mark.usefixtures("ray_local")
-
-
-def run_root(cfg) -> str:
-    return os.path.join(cfg.run.storage_path, cfg.run.name)
-
-
-def final_state(cfg, step: int) -> dict[str, torch.Tensor]:
-    path = step_path(run_root(cfg), step)
-    return {**load_model_state_dict(path), **{f"optim.{k}": v for k, v in load_tensors(path, "optim").items()}}
-
-
-def assert_same_state(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys() and len(a) > 20
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, dataset):
-    """The uninterrupted 30-step run every resume test compares against."""
-    tmp = tmp_path_factory.mktemp("reference")
-    cfg = make_config(tmp, dataset, "run.name=ref", "train.max_steps=30", "data.audit=true")
-    run_id = run(cfg)
-    return cfg, run_id, final_state(cfg, 30)
 
 
 def test_twenty_steps_complete_and_loss_falls(tmp_path, dataset):

@@ -28,21 +28,28 @@ class RaySession:
     def __init__(self, data_path: str, seed: int):
         ctx = ray.train.get_context()
         self.rank = ctx.get_world_rank()
-        self.run_root = ctx.get_storage().experiment_fs_path
+        storage = ctx.get_storage()
+        self.filesystem = storage.storage_filesystem  # pyarrow's: Ray compares it when registering a checkpoint
+        scheme = self.filesystem.type_name
+        path = storage.experiment_fs_path
+        self.run_root = path if scheme == "local" else f"{scheme}://{path}"  # fsspec URL for DCP and our files
         self.data_path, self.seed = data_path, seed
         self.manifest = load_manifest(data_path)
         self.last_commit: str | None = None
 
     def latest_checkpoint(self) -> str | None:
         checkpoint = ray.train.get_checkpoint()
-        return checkpoint.path if checkpoint else None
+        if checkpoint is None:
+            return None
+        scheme = checkpoint.filesystem.type_name
+        return checkpoint.path if scheme == "local" else f"{scheme}://{checkpoint.path}"
 
     def commit(self, step: int, path: str, metrics: dict[str, float]) -> None:
         # The DCP files already live in the experiment folder: register them without a copy.
         self.last_commit = path
         ray.train.report(
             metrics,
-            checkpoint=Checkpoint.from_directory(path),
+            checkpoint=Checkpoint(path.split("://", 1)[-1], filesystem=self.filesystem),
             checkpoint_dir_name=path.rstrip("/").rsplit("/", 1)[-1],
             checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
         )
