@@ -15,7 +15,6 @@ Prints a JSON summary and writes it to benchmarks/results/checkpoint_stall.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -24,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from report import default_out, report
 
 from raytrain_ft.checkpoint import Checkpointer, step_path
 from raytrain_ft.model import build_model, lm_loss
@@ -40,7 +40,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="125m")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "checkpoint_stall.json"))
+    p.add_argument("--out", default=default_out("checkpoint_stall"))
     args = p.parse_args()
     root = tempfile.mkdtemp(prefix="ckpt-bench-")
     cuda = torch.cuda.is_available()
@@ -104,10 +104,7 @@ def main() -> None:
         "stall_without_overlap_over_copy": m["stall_no_overlap"] / m["copy"],
         "targets": {"stall_over_sync": 0.05, "stall_over_copy": 1.5},
     }
-    print(json.dumps(result, indent=2))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    report(result, args.out)
     dist.destroy_process_group()
 
 

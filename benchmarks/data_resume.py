@@ -14,7 +14,6 @@ Prints JSON and writes benchmarks/results/data_resume.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -24,6 +23,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import ray
 import torch
+from report import default_out, report
 
 from raytrain_ft.data.manifest import Manifest
 from raytrain_ft.data.position import BatchPlan
@@ -88,7 +88,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--samples", type=int, default=200_000)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "data_resume.json"))
+    p.add_argument("--out", default=default_out("data_resume"))
     args = p.parse_args()
     path, m = big_dataset(tempfile.mkdtemp(prefix="data-bench-"), args.samples)
     plan = BatchPlan(global_batch_size=64, micro_batch_size=8, world_size=2)
@@ -116,10 +116,7 @@ def main() -> None:
         "loader_over_model": loader / model,
         "targets": {"ratio_90_over_0": 1.1, "loader_over_model": 5.0},
     }
-    print(json.dumps(result, indent=2))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

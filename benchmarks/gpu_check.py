@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import json
 import math
-import os
 import shutil
 import statistics
 import sys
@@ -32,6 +30,7 @@ import tempfile
 import time
 
 import torch
+from report import default_out, report
 
 VOCAB, SEQ_LEN, PRESET = 8192, 512, "125m"
 
@@ -42,9 +41,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
     p.add_argument("--repeats", type=int, default=3, help="measured checkpoint rounds")
     p.add_argument("--timeout-s", type=int, default=270, help="abort (traceback, status 1) after this long")
-    p.add_argument(
-        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu_check.json")
-    )
+    p.add_argument("--out", default=default_out("gpu_check"))
     args = p.parse_args()
     if args.steps < 1 or args.batch < 1 or args.repeats < 1:
         p.error("--steps, --batch and --repeats must be >= 1")
@@ -168,10 +165,7 @@ def main() -> int:
         shutil.rmtree(root, ignore_errors=True)
         faulthandler.cancel_dump_traceback_later()
 
-    print(json.dumps(result, indent=2))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    report(result, args.out)
     ok = result["load_back_equal"] and nccl_ok and all(math.isfinite(x) for x in losses)
     return 0 if ok else 1
 

@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from report import default_out, report
 
 from raytrain_ft.config import load_config
 from raytrain_ft.data.prepare import PrepareSettings, prepare
@@ -61,7 +62,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--data", default="data/stdlib")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "guard_overhead.json"))
+    p.add_argument("--out", default=default_out("guard_overhead"))
     args = p.parse_args()
     prepare(None, args.data, PrepareSettings())
     tmp = tempfile.mkdtemp(prefix="guard-bench-")
@@ -98,10 +99,7 @@ def main() -> None:
         "per_round": times,
         "target": 0.97,
     }
-    print(json.dumps(result, indent=2))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    report(result, args.out)
 
 
 if __name__ == "__main__":
