@@ -23,11 +23,11 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from report import default_out, report
 
 from raytrain_ft.checkpoint import Checkpointer, step_path
 from raytrain_ft.model import build_model, lm_loss
 from raytrain_ft.train_state import ModelState, OptimizerState, TrainState
+from report import default_out, report
 
 
 def timed(fn) -> float:

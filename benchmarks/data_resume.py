@@ -23,13 +23,13 @@ import numpy as np
 import pyarrow.parquet as pq
 import ray
 import torch
-from report import default_out, report
 
 from raytrain_ft.data.manifest import Manifest
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.data.prepare import PrepareSettings, prepare, write_shards
 from raytrain_ft.launch.datasource import rank_micro_batches
 from raytrain_ft.model import build_model, lm_loss
+from report import default_out, report
 
 
 def big_dataset(root: str, min_samples: int) -> tuple[str, Manifest]:

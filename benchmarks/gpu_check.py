@@ -30,6 +30,7 @@ import tempfile
 import time
 
 import torch
+
 from report import default_out, report
 
 VOCAB, SEQ_LEN, PRESET = 8192, 512, "125m"

@@ -21,13 +21,13 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from report import default_out, report
 
 from raytrain_ft.config import load_config
 from raytrain_ft.data.prepare import PrepareSettings, prepare
 from raytrain_ft.local_session import LocalSession
 from raytrain_ft.loop import Trainer
 from raytrain_ft.tracking import start_or_resume_run
+from report import default_out, report
 
 
 def bare_step(t: Trainer) -> None:

@@ -9,9 +9,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 import torch
-from conftest import make_config
 from mlflow.tracking import MlflowClient
 
+from conftest import make_config
 from raytrain_ft.checkpoint import load_model_state_dict, step_path
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.data.manifest import load_manifest

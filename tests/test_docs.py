@@ -7,7 +7,6 @@ import re
 from pathlib import Path
 
 from conftest import REPO
-
 from raytrain_ft.config import load_config, reference_markdown, valid_keys
 
 README = Path(REPO, "README.md").read_text()

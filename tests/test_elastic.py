@@ -9,8 +9,8 @@ import sys
 
 import numpy as np
 import pyarrow as pa
-from conftest import REPO
 
+from conftest import REPO
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import EpochOrder

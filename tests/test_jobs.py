@@ -9,8 +9,9 @@ import sys
 import time
 import urllib.request
 
-from conftest import REPO
 from mlflow.tracking import MlflowClient
+
+from conftest import REPO
 
 PRETRAIN = os.path.join(REPO, "jobs", "pretrain.py")
 TINY = os.path.join(REPO, "configs", "tiny.yaml")

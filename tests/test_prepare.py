@@ -6,8 +6,8 @@ import sys
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from conftest import REPO, STDLIB_JSON
 
+from conftest import REPO, STDLIB_JSON
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.prepare import PrepareSettings, prepare
 from raytrain_ft.errors import DataError

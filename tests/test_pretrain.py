@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import assert_same_state, final_state, make_config, metric_by_step, run_root, step_dirs
 from mlflow.tracking import MlflowClient
 
+from conftest import assert_same_state, final_state, make_config, metric_by_step, run_root, step_dirs
 from raytrain_ft.checkpoint import step_path
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.launch.trainer import RunFailed, run

@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest import make_config
 from mlflow.tracking import MlflowClient
 
+from conftest import make_config
 from raytrain_ft.launch.trainer import run
 from raytrain_ft.tracking import RunLogger
 

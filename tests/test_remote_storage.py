@@ -13,9 +13,9 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, STDLIB_JSON, run_root
 from moto.server import ThreadedMotoServer
 
+from conftest import REPO, STDLIB_JSON, run_root
 from raytrain_ft.checkpoint import load_model_state_dict, step_path
 
 
