@@ -1,0 +1,1 @@
+"""Dataset preparation, deterministic sample order and the world-size-independent data position."""

@@ -1,0 +1,79 @@
+"""Data audit (`data.audit: true`): which sample ids every rank consumed at every step.
+
+Rank 0 gathers each step's ids (an `all_gather` of a fixed-size int64 tensor on a CPU gloo group)
+and buffers them; at every checkpoint commit the buffer is written to
+`<run folder>/audit/<time_ns>-<first step>-<last step>.parquet` (columns `step`, `rank`,
+`sample_id`). Steps trained after the last commit of a failed attempt are never written: their
+work was rolled back. A step written by several attempts (after a fallback from a corrupt
+checkpoint) is read from the latest file: `read_audit` returns the lineage of the final model.
+"""
+
+from __future__ import annotations
+
+import time
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+import torch.distributed as dist
+
+AUDIT_DIR = "audit"
+
+
+class DataAudit:
+    """One rank's side of the audit; a no-op object when disabled."""
+
+    def __init__(self, run_root: str, group: dist.ProcessGroup, enabled: bool):
+        self.run_root, self.group, self.enabled = run_root.rstrip("/"), group, enabled
+        self.rows: list[tuple[int, np.ndarray]] = []  # (step, ids of shape (world_size, n))
+
+    def record(self, step: int, sample_ids: torch.Tensor) -> None:
+        """Gather this step's ids from every rank (collective; `sample_ids` int64, same length on all ranks)."""
+        if not self.enabled:
+            return
+        ids = sample_ids.to("cpu", torch.int64)
+        gathered = [torch.empty_like(ids) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(gathered, ids, group=self.group)
+        if dist.get_rank() == 0:
+            self.rows.append((step, torch.stack(gathered).numpy()))
+
+    def discard_after(self, step: int) -> None:
+        """Drop buffered steps after `step` (their work was rolled back)."""
+        self.rows = [(s, ids) for s, ids in self.rows if s <= step]
+
+    def flush(self) -> None:
+        """Write the buffered steps (rank 0; called when a checkpoint commits)."""
+        if not self.enabled or dist.get_rank() != 0 or not self.rows:
+            return
+        steps, ranks, ids = [], [], []
+        for step, per_rank in self.rows:
+            w, n = per_rank.shape
+            steps.append(np.full(w * n, step, np.int64))
+            ranks.append(np.repeat(np.arange(w, dtype=np.int64), n))
+            ids.append(per_rank.reshape(-1))
+        table = pa.table({"step": np.concatenate(steps), "rank": np.concatenate(ranks), "sample_id": np.concatenate(ids)})
+        fs, base = fsspec.core.url_to_fs(f"{self.run_root}/{AUDIT_DIR}")
+        fs.makedirs(base, exist_ok=True)
+        with fs.open(f"{base}/{time.time_ns()}-{self.rows[0][0]}-{self.rows[-1][0]}.parquet", "wb") as f:
+            pq.write_table(table, f)
+        self.rows = []
+
+
+def read_audit(run_root: str) -> pa.Table:
+    """The audit of a run: one row per (step, rank, sample_id), the latest attempt per step, sorted by step.
+
+    Raises:
+        FileNotFoundError: the run wrote no audit (`data.audit` was off).
+    """
+    fs, base = fsspec.core.url_to_fs(f"{run_root.rstrip('/')}/{AUDIT_DIR}")
+    files = sorted(fs.ls(base, detail=False), key=lambda p: int(p.rsplit("/", 1)[-1].split("-")[0]))
+    latest: dict[int, pa.Table] = {}
+    for path in files:  # oldest first: later files overwrite the steps they repeat
+        with fs.open(path, "rb") as f:
+            table = pq.read_table(f)
+        for step in np.unique(table.column("step").to_numpy()):
+            latest[int(step)] = table.filter(pc.equal(table.column("step"), step))
+    return pa.concat_tables([latest[s] for s in sorted(latest)])

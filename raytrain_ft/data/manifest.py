@@ -1,0 +1,69 @@
+"""`manifest.json`: what a prepared dataset holds and where each sample lives.
+
+A dataset folder (local path or fsspec URL) contains parquet shards with columns `sample_id`
+(int64, dense 0..N-1) and `tokens` (list<int32> of length `seq_len + 1`), the tokenizer file, and
+this manifest. Each shard is split into row groups; a row group is the unit the loader permutes and
+reads (see `raytrain_ft.data.order`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import fsspec
+
+from raytrain_ft.errors import DataError
+
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class Shard:
+    file: str  # file name inside the dataset folder
+    first_sample_id: int
+    num_samples: int
+    row_group_rows: list[int]  # rows per parquet row group, in file order
+
+
+@dataclass(frozen=True)
+class Manifest:
+    num_samples: int
+    seq_len: int  # tokens per sample = seq_len + 1 (inputs and shifted labels)
+    vocab_size: int
+    eos_token_id: int
+    tokenizer_file: str
+    fingerprint: str  # sha256 of the input files' contents and the preparation settings
+    shards: list[Shard]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        d = json.loads(text)
+        d["shards"] = [Shard(**s) for s in d["shards"]]
+        return cls(**d)
+
+
+def manifest_url(path: str) -> str:
+    return path.rstrip("/") + "/" + MANIFEST
+
+
+def load_manifest(path: str) -> Manifest:
+    """Read the manifest of the dataset at `path` (folder or URL).
+
+    Raises:
+        DataError: no dataset there, or the manifest is unreadable.
+    """
+    url = manifest_url(path)
+    try:
+        with fsspec.open(url, "r") as f:
+            return Manifest.from_json(f.read())
+    except FileNotFoundError:
+        raise DataError(
+            f"no prepared dataset at {path} ({MANIFEST} missing); run "
+            f"`python jobs/prepare_data.py --output {path}` or set data.path"
+        ) from None
+    except (ValueError, TypeError, KeyError) as e:
+        raise DataError(f"dataset manifest {url} is unreadable ({e}); prepare the dataset again") from None
