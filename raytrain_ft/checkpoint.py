@@ -101,10 +101,10 @@ class Checkpointer:
 
     def save(self, step: int, state: TrainState, slow_writer: bool = False) -> None:
         """Start an async save of `state` as `step-<step>` (finishes any earlier save first)."""
-        self.wait()
+        t0 = time.perf_counter()
+        self.wait()  # waiting for the previous write is a stall too (slow storage shows up here)
         path = step_path(self.root, step)
         writer = (_SlowWriter if slow_writer else FsspecWriter)(path)
-        t0 = time.perf_counter()
         response = dcp.async_save(
             state.snapshot(), storage_writer=writer, process_group=self.save_group, async_stager=self.stager
         )
@@ -112,7 +112,7 @@ class Checkpointer:
             self.staging, upload = response.staging_completion, response.upload_completion
         else:
             self.staging, upload = None, response
-        self.last_stall_s = time.perf_counter() - t0
+        self.last_stall_s += time.perf_counter() - t0
         self.pending = (step, path, upload)
 
     def wait_staged(self) -> None:

@@ -14,6 +14,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -201,9 +202,12 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     """
     try:
         sources = [OmegaConf.load(path)] if path is not None else []
+        sources.append(OmegaConf.from_dotlist(list(overrides or [])))
     except FileNotFoundError:
         raise ConfigError(f"config file {path} not found; pass an existing YAML file to --config") from None
-    return _build([*sources, OmegaConf.from_dotlist(list(overrides or []))])
+    except (OSError, yaml.YAMLError, OmegaConfBaseException) as e:
+        raise ConfigError(f"cannot read config {path or 'overrides'}: {str(e).splitlines()[0]}") from None
+    return _build(sources)
 
 
 def _build(sources: list) -> Config:
@@ -211,6 +215,8 @@ def _build(sources: list) -> Config:
         cfg: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), *sources))
     except OmegaConfBaseException as e:
         raise ConfigError(_describe(e)) from None
+    except (TypeError, ValueError) as e:  # e.g. a YAML list where a mapping belongs
+        raise ConfigError(f"config has the wrong shape: {str(e).splitlines()[0]}") from None
     _validate(cfg)
     return cfg
 
@@ -245,6 +251,12 @@ def _validate(cfg: Config) -> None:
     for i, f in enumerate(cfg.faults):
         if f.kind not in FAULT_KINDS:
             raise ConfigError(f"config key 'faults[{i}].kind' is {f.kind!r}; valid kinds: {', '.join(FAULT_KINDS)}")
+    spike = cfg.guards.spike
+    if not 1 <= spike.warmup <= spike.window:
+        raise ConfigError(
+            f"config keys 'guards.spike.warmup' ({spike.warmup}) and 'guards.spike.window' ({spike.window}) need "
+            "1 <= warmup <= window, or the history never gets long enough to judge a spike"
+        )
     if cfg.guards.on_alert not in ALERT_POLICIES:
         raise ConfigError(
             f"config key 'guards.on_alert' is {cfg.guards.on_alert!r}; valid: {', '.join(ALERT_POLICIES)}"

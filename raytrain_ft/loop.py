@@ -70,7 +70,9 @@ def lr_schedule(optimizer: torch.optim.Optimizer, t: TrainSection) -> torch.opti
 
 
 def fingerprint(cfg: Config, manifest: Manifest, num_params: int) -> dict:
-    """What must match between a checkpoint and the run resuming it (model shape and data)."""
+    """What must match between a checkpoint and the run resuming it: model shape, data, data order and
+    LR schedule (a changed seed would re-permute a half-consumed epoch; a changed max_steps would
+    stretch a cosine already half done). To train further, start a new run.name."""
     return {
         "model.preset": cfg.model.preset,
         "num_params": num_params,
@@ -78,7 +80,24 @@ def fingerprint(cfg: Config, manifest: Manifest, num_params: int) -> dict:
         "seq_len": manifest.seq_len,
         "data.fingerprint": manifest.fingerprint,
         "train.global_batch_size": cfg.train.global_batch_size,
+        # the data order and the LR schedule: a resumed run must see the same ones
+        "train.seed": cfg.train.seed,
+        "train.max_steps": cfg.train.max_steps,
+        "train.lr": cfg.train.lr,
+        "train.warmup_steps": cfg.train.warmup_steps,
+        "train.min_lr_ratio": cfg.train.min_lr_ratio,
     }
+
+
+def check_data_fits(cfg: Config, manifest: Manifest) -> None:
+    """Raises ConfigError when `train.seq_len` disagrees with the dataset or one global batch exceeds it."""
+    if cfg.train.seq_len not in (0, manifest.seq_len):
+        raise ConfigError(f"train.seq_len={cfg.train.seq_len} but the dataset has seq_len {manifest.seq_len}")
+    if cfg.train.global_batch_size > manifest.num_samples:
+        raise ConfigError(
+            f"train.global_batch_size={cfg.train.global_batch_size} exceeds the {manifest.num_samples} samples "
+            f"of {cfg.data.path}"
+        )
 
 
 def step_batches(session: Session, position: DataPosition, plan: BatchPlan, steps_per_epoch: int) -> Iterator[list]:
@@ -103,8 +122,8 @@ def train(cfg: Config, session: Session, tracking_uri: str, mlflow_run_id: str) 
     while trainer.progress.step < cfg.train.max_steps:
         trainer.step()
         trainer.watchdog.beat()
+    trainer.watchdog.stop()  # the final write may take longer than a step
     trainer.checkpointer.wait()
-    trainer.watchdog.stop()
 
 
 class Trainer:
@@ -116,12 +135,9 @@ class Trainer:
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.manifest = load_manifest(cfg.data.path)
-        if cfg.train.seq_len not in (0, self.manifest.seq_len):
-            raise ConfigError(f"train.seq_len={cfg.train.seq_len} but the dataset has seq_len {self.manifest.seq_len}")
+        check_data_fits(cfg, self.manifest)
         self.plan = BatchPlan(cfg.train.global_batch_size, cfg.train.micro_batch_size, self.world_size)
         self.steps_per_epoch = self.manifest.num_samples // self.plan.global_batch_size
-        if self.steps_per_epoch == 0:
-            raise ConfigError(f"train.global_batch_size={self.plan.global_batch_size} exceeds the dataset")
 
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
         m = cfg.model
@@ -159,6 +175,7 @@ class Trainer:
         resumed_from, loaded = restore(self.checkpointer, self.state, session, self.logger)
         if rng_key(self.rank) not in loaded:  # fresh start, or a rank added by an elastic resize
             seed_rngs(cfg.train.seed + self.progress.step, self.rank)
+        self.watchdog.beat()  # restoring a large checkpoint is not a hang
         self.first_step = self.progress.step + 1
         self.batches = step_batches(session, self.position, self.plan, self.steps_per_epoch)
         self.save_due = self.preemption_saved = False
@@ -238,8 +255,8 @@ class Trainer:
                 "step_time_s": step_time,
                 "epoch": self.position.epoch,
                 "checkpoint_stall_s": self.checkpointer.last_stall_s,
-                "last_step": step,
             },
+            current={"last_step": step, "current_step_time_s": step_time},
         )
         self.checkpointer.last_stall_s = 0.0
         if step == self.first_step:
@@ -300,8 +317,17 @@ class Trainer:
                 self.faults.after_save_started(step)
             self.save_due = False
         if not self.preemption_saved and self.session.preemption_pending():
-            save_before_preemption(self.checkpointer, self.state, step, self.logger)
+            self.save_before_preemption(step)
             self.preemption_saved = True
+
+    def save_before_preemption(self, step: int) -> None:
+        """Just-in-time checkpoint when a node is about to be preempted: save (unless this step's
+        periodic save is in flight) and wait until it is registered, so the restart loses nothing."""
+        if self.checkpointer.pending is None or self.checkpointer.pending[0] != step:
+            self.checkpointer.save(step, self.state)
+        self.settle()
+        if self.logger:
+            self.logger.event("preemption_checkpoint", step=step)
 
     def settle(self) -> None:
         """Finish the in-flight save and wait until the runtime registered every commit."""
@@ -358,16 +384,6 @@ class Trainer:
                 ids += order.read(seg).column("sample_id").to_pylist()
             pos.advance(self.plan.global_batch_size, self.steps_per_epoch)
         return ids
-
-
-def save_before_preemption(checkpointer: Checkpointer, state: TrainState, step: int, logger: RunLogger | None) -> None:
-    """Just-in-time checkpoint when a node is about to be preempted: save (unless this step's
-    periodic save is in flight) and wait for the commit, so the restart loses nothing."""
-    if checkpointer.pending is None or checkpointer.pending[0] != step:
-        checkpointer.save(step, state)
-    checkpointer.wait()
-    if logger:
-        logger.event("preemption_checkpoint", step=step)
 
 
 def restore(

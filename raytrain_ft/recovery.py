@@ -1,6 +1,6 @@
 """The run's recovery history, derived from the events every component logs to MLflow.
 
-Events (artifact `events.json`, see `tracking.RunLogger.event`): `failure` (written by the Ray
+Events (artifacts `events/*.json`, see `tracking.RunLogger.event`): `failure` (written by the Ray
 Train controller callback: time, cause per rank, last completed step, step time and world size at
 that moment), `attempt_start` (rank 0 after restore: step resumed from, world size) and
 `first_step` (rank 0 after the first step of an attempt). `recovery_rows` joins them into one row

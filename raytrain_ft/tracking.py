@@ -13,15 +13,18 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 
 import fsspec
 from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from raytrain_ft import recovery
+from raytrain_ft.errors import UserError
 
 RUN_ID_FILE = "mlflow_run_id"
-EVENTS_FILE = "events.json"
+EVENTS_DIR = "events"
 
 
 def resolve_uri(uri: str) -> str:
@@ -36,7 +39,13 @@ def start_or_resume_run(uri: str, experiment: str, run_root: str, run_name: str,
     id_file = f"{base.rstrip('/')}/{RUN_ID_FILE}"
     if fs.exists(id_file):
         run_id = fs.cat_file(id_file).decode().strip()
-        client.update_run(run_id, status="RUNNING")
+        try:
+            client.update_run(run_id, status="RUNNING")
+        except MlflowException:
+            raise UserError(
+                f"{id_file} names MLflow run {run_id}, which {uri} does not have; set tracking.uri to the "
+                "store this run logged to (on a cluster: an MLflow server every node reaches)"
+            ) from None
         return run_id
     exp = client.get_experiment_by_name(experiment)
     exp_id = exp.experiment_id if exp else client.create_experiment(experiment, _artifact_root(uri))
@@ -72,9 +81,13 @@ class RunLogger:
     def __init__(self, uri: str, run_id: str):
         self.client, self.run_id = MlflowClient(uri), run_id
 
-    def metrics(self, step: int, values: dict[str, float]) -> None:
+    def metrics(self, step: int, values: dict[str, float], current: dict[str, float] | None = None) -> None:
+        """Log `values` at `step`; `current` values at step 0, where MLflow's "latest" is the newest
+        one (otherwise "latest" is the highest step, wrong after a resume re-runs steps)."""
         ts = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), ts, step) for k, v in values.items()])
+        batch = [Metric(k, float(v), ts, step) for k, v in values.items()]
+        batch += [Metric(k, float(v), ts, 0) for k, v in (current or {}).items()]
+        self.client.log_batch(self.run_id, metrics=batch)
 
     def tags(self, values: dict[str, str]) -> None:
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)[:5000]) for k, v in values.items()])
@@ -83,18 +96,22 @@ class RunLogger:
         return self.client.get_run(self.run_id).data.metrics.get(key, default)
 
     def event(self, kind: str, **fields) -> None:
-        """Append an event (failure, corrupt checkpoint, ...) to the run's `events.json` artifact."""
-        events = self.events()
-        events.append({"time": time.time(), "kind": kind, **fields})
-        self.client.log_dict(self.run_id, events, EVENTS_FILE)
+        """Record an event (failure, skipped step, ...) as its own artifact `events/<time>-<id>.json`:
+        writers on several ranks and the controller never overwrite each other."""
+        now = time.time()
+        name = f"{EVENTS_DIR}/{time.time_ns()}-{uuid.uuid4().hex[:8]}.json"
+        self.client.log_dict(self.run_id, {"time": now, "kind": kind, **fields}, name)
 
     def events(self) -> list[dict]:
-        try:
-            path = self.client.download_artifacts(self.run_id, EVENTS_FILE)
-        except Exception:  # no events yet: MLflow raises its own not-found errors per store
+        """Every event of the run, oldest first."""
+        if not self.client.list_artifacts(self.run_id, EVENTS_DIR):
             return []
-        with open(path) as f:
-            return json.load(f)
+        folder = self.client.download_artifacts(self.run_id, EVENTS_DIR)
+        events = []
+        for name in os.listdir(folder):
+            with open(os.path.join(folder, name)) as f:
+                events.append(json.load(f))
+        return sorted(events, key=lambda e: e["time"])
 
     def hang(self, rank: int, dump: str) -> None:
         """A hang's stack dump as an artifact, plus an event."""

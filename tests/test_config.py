@@ -58,3 +58,19 @@ def test_valid_keys_cover_the_contract():
         "faults",
     ]:
         assert key in valid_keys()
+
+
+def test_yaml_syntax_error_and_wrong_shape_are_one_line_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: {max_steps: [\n")
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(str(bad))
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError):
+        load_config(str(listy))
+
+
+def test_spike_warmup_longer_than_window_is_refused():
+    with pytest.raises(ConfigError, match="1 <= warmup <= window"):
+        load_config(None, ["guards.spike.window=50"])

@@ -1,4 +1,4 @@
-"""Elastic training on a 2-node local cluster: a node is removed mid-run and later comes back."""
+"""Elastic training on a 2-node local cluster: a node gets a preemption notice, is removed, and comes back."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def expected_step_ids(dataset: str, steps: int, global_batch_size: int) -> dict[
     return {s: out[s] for s in range(1, steps + 1)}
 
 
-def test_shrink_on_node_loss_then_grow_back(tmp_path, dataset):
+def test_preemption_then_shrink_on_node_loss_then_grow_back(tmp_path, dataset):
     r = subprocess.run(
         [sys.executable, os.path.join(REPO, "tests", "scenarios", "elastic.py"), dataset, str(tmp_path)],
         capture_output=True,
@@ -42,6 +42,10 @@ def test_shrink_on_node_loss_then_grow_back(tmp_path, dataset):
     outcome = json.loads(r.stdout.strip().splitlines()[-1])
     assert outcome["events"] == ["removed", "added"]
     assert outcome["world_sizes"] == [2, 1, 2]  # start, after the node loss, after it came back
+    # the preemption notice made a just-in-time checkpoint, and the shrunk group resumed from it: nothing lost
+    [preempted_at] = outcome["preemption_steps"]
+    assert preempted_at > 20
+    assert preempted_at in outcome["resumed_from"]
 
     audit = read_audit(str(tmp_path / "runs" / "elastic"))
     steps, ids = audit.column("step").to_numpy(), audit.column("sample_id").to_numpy()

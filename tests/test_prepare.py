@@ -80,3 +80,12 @@ def test_unreadable_parquet_raises_data_error(tmp_path):
     (tmp_path / "bad.parquet").write_bytes(b"not a parquet file")
     with pytest.raises(DataError, match="cannot read .*bad.parquet as parquet"):
         prepare(str(tmp_path / "*.parquet"), str(tmp_path / "o"), PrepareSettings(seq_len=16, vocab_size=300))
+
+
+def test_output_folder_that_is_not_a_dataset_is_never_deleted(tmp_path):
+    keep = tmp_path / "precious"
+    keep.mkdir()
+    (keep / "notes.txt").write_text("do not delete")
+    with pytest.raises(DataError, match="exists and is not a prepared dataset"):
+        prepare(STDLIB_JSON, str(keep), PrepareSettings(seq_len=16, vocab_size=300))
+    assert (keep / "notes.txt").read_text() == "do not delete"

@@ -10,6 +10,7 @@ from mlflow.tracking import MlflowClient
 from conftest import assert_same_state, final_state, make_config, metric_by_step, run_root, step_dirs
 from raytrain_ft.checkpoint import step_path
 from raytrain_ft.data.audit import read_audit
+from raytrain_ft.errors import CheckpointError
 from raytrain_ft.launch.trainer import RunFailed, run
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -86,3 +87,20 @@ def test_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path, dataset, re
     assert sorted(m.value for m in resumed) == [0, 15]
     assert "step-20" in MlflowClient(cfg.tracking.uri).get_run(run_id).data.tags["last_corrupt_checkpoint"]
     assert_same_state(final_state(cfg, 30), reference[2])
+
+
+def test_checkpoint_of_another_model_is_refused_in_one_line(tmp_path, dataset, reference):
+    ref_cfg = reference[0]
+    cfg = make_config(
+        tmp_path,
+        dataset,
+        "run.name=ref",
+        f"run.storage_path={ref_cfg.run.storage_path}",
+        "model.preset=small",
+        "train.max_steps=30",
+    )
+    with pytest.raises(CheckpointError) as e:
+        run(cfg)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"checkpoint {run_root(ref_cfg)}/step-30 belongs to a different")
+    assert "model.preset: checkpoint tiny vs config small" in message

@@ -54,7 +54,9 @@ class DataAudit:
             steps.append(np.full(w * n, step, np.int64))
             ranks.append(np.repeat(np.arange(w, dtype=np.int64), n))
             ids.append(per_rank.reshape(-1))
-        table = pa.table({"step": np.concatenate(steps), "rank": np.concatenate(ranks), "sample_id": np.concatenate(ids)})
+        table = pa.table(
+            {"step": np.concatenate(steps), "rank": np.concatenate(ranks), "sample_id": np.concatenate(ids)}
+        )
         fs, base = fsspec.core.url_to_fs(f"{self.run_root}/{AUDIT_DIR}")
         fs.makedirs(base, exist_ok=True)
         with fs.open(f"{base}/{time.time_ns()}-{self.rows[0][0]}-{self.rows[-1][0]}.parquet", "wb") as f:

@@ -174,6 +174,8 @@ def prepare(input_pattern: str | None, output: str, settings: PrepareSettings) -
         DataError: no input files, no non-empty document, unreadable input, or a corpus too
             small for one sequence.
     """
+    if settings.seq_len < 1 or settings.vocab_size < 257:
+        raise DataError(f"need --seq-len >= 1 and --vocab-size >= 257 (the byte alphabet + EOS), got {settings}")
     files = list_inputs(input_pattern or default_corpus())
     fp = fingerprint(files, settings)
     try:
@@ -191,8 +193,10 @@ def prepare(input_pattern: str | None, output: str, settings: PrepareSettings) -
         raise DataError(f"the corpus has fewer than {settings.seq_len + 1} tokens; lower --seq-len or add text")
     fs, out = fsspec.core.url_to_fs(output)
     out = out.rstrip("/")
-    if fs.exists(out):  # the old manifest goes first: a half-written folder is never taken as a dataset
-        fs.rm(out, recursive=True)
+    if fs.exists(out) and fs.ls(out):
+        if not fs.exists(f"{out}/manifest.json"):
+            raise DataError(f"{output} exists and is not a prepared dataset; choose another --output")
+        fs.rm(out, recursive=True)  # the old manifest goes with it: a half-written folder is never a dataset
     fs.makedirs(out, exist_ok=True)
     with fs.open(f"{out}/{TOKENIZER_FILE}", "w") as f:
         f.write(tok.to_str())

@@ -44,6 +44,6 @@ class RunRecorder(UserCallback):
             "failure",
             causes={str(r): c for r, c in causes.items()},
             last_step=int(logger.latest("last_step")),
-            step_time_s=logger.latest("step_time_s"),
+            step_time_s=logger.latest("current_step_time_s"),
             world_size=int(logger.latest("world_size")),
         )

@@ -17,8 +17,8 @@ from raytrain_ft.data.position import check_world_sizes
 from raytrain_ft.errors import ConfigError, UserError, find_user_error
 from raytrain_ft.launch.callbacks import RunRecorder, describe
 from raytrain_ft.launch.worker import train_func
-from raytrain_ft.loop import fingerprint
-from raytrain_ft.model import build_model
+from raytrain_ft.loop import check_data_fits, fingerprint
+from raytrain_ft.model import build_model, model_config
 from raytrain_ft.tracking import RunLogger, flatten, resolve_uri, start_or_resume_run
 from raytrain_ft.train_state import RunMeta
 
@@ -48,6 +48,8 @@ def absolute(path: str) -> str:
 def preflight(cfg: Config) -> None:
     """Catch user errors before any worker starts (each raises a one-line `UserError`)."""
     manifest = load_manifest(cfg.data.path)
+    model_config(cfg.model.preset, manifest.vocab_size, manifest.seq_len, cfg.model.dropout)  # a valid preset
+    check_data_fits(cfg, manifest)
     lo, hi = cfg.worker_range
     check_world_sizes(cfg.train.global_batch_size, cfg.train.micro_batch_size, range(lo, hi + 1))
     need = {"CPU": lo * cfg.scaling.cpus_per_worker, "GPU": lo if cfg.scaling.use_gpu else 0}

@@ -59,7 +59,8 @@ class RaySession:
         if self.last_commit is None:
             return
         deadline = time.monotonic() + FLUSH_TIMEOUT_S
-        while self._acknowledged() != self.last_commit:
+        expected = self.last_commit.split("://", 1)[-1]  # Ray records paths without the scheme
+        while (self._acknowledged() or "").split("://", 1)[-1] != expected:
             if time.monotonic() > deadline:
                 log.warning("commit of %s not acknowledged after %d s", self.last_commit, FLUSH_TIMEOUT_S)
                 return

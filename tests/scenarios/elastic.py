@@ -1,4 +1,4 @@
-"""Elastic shrink and grow-back on a 2-node local cluster (`ray.cluster_utils.Cluster`).
+"""Preemption notice, elastic shrink and grow-back on a 2-node local cluster (`ray.cluster_utils.Cluster`).
 
 Run by tests/test_elastic.py in a subprocess (a Cluster needs a process without another Ray
 instance). Usage: python elastic.py DATASET WORKDIR. Prints one JSON line with what happened.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -19,6 +20,7 @@ from ray.cluster_utils import Cluster
 
 from raytrain_ft.config import load_config
 from raytrain_ft.launch.trainer import WORKER_ENV, run
+from raytrain_ft.tracking import RunLogger
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -60,9 +62,33 @@ def main(dataset: str, workdir: str) -> None:
     snapshot = Path(run_root, "checkpoint_manager_snapshot.json")
     while not (snapshot.exists() and '"step-20"' in snapshot.read_text()):
         time.sleep(0.5)
+    run_id = Path(run_root, "mlflow_run_id").read_text().strip()
+    # A spot reclaim notice for the worker node (what the autoscaler sends on preemption) ...
+    subprocess.run(
+        [
+            os.path.join(os.path.dirname(sys.executable), "ray"),
+            "drain-node",
+            "--address",
+            cluster.address,
+            "--node-id",
+            worker_node.node_id,
+            "--reason",
+            "DRAIN_NODE_REASON_PREEMPTION",
+            "--reason-message",
+            "spot reclaim (test)",
+            "--deadline-remaining-seconds",
+            "120",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    logger = RunLogger(cfg.tracking.uri, run_id)
+    while not any(e["kind"] == "preemption_checkpoint" for e in logger.events()):
+        time.sleep(0.5)
+    # ... then the node goes.
     cluster.remove_node(worker_node, allow_graceful=False)
     events.append("removed")
-    run_id = Path(run_root, "mlflow_run_id").read_text().strip()
     while 1 not in world_sizes(cfg.tracking.uri, run_id) and trainer.is_alive():
         time.sleep(1)
     cluster.add_node(num_cpus=1)
@@ -70,7 +96,15 @@ def main(dataset: str, workdir: str) -> None:
     trainer.join()
     print(
         json.dumps(
-            {"run_id": result.get("run_id"), "world_sizes": world_sizes(cfg.tracking.uri, run_id), "events": events}
+            {
+                "run_id": result.get("run_id"),
+                "world_sizes": world_sizes(cfg.tracking.uri, run_id),
+                "events": events,
+                "preemption_steps": [e["step"] for e in logger.events() if e["kind"] == "preemption_checkpoint"],
+                "resumed_from": sorted(
+                    m.value for m in MlflowClient(cfg.tracking.uri).get_metric_history(run_id, "resumed_from_step")
+                ),
+            }
         )
     )
     ray.shutdown()
