@@ -92,7 +92,7 @@ def main() -> None:
     args = p.parse_args()
     path, m = big_dataset(tempfile.mkdtemp(prefix="data-bench-"), args.samples)
     plan = BatchPlan(global_batch_size=64, micro_batch_size=8, world_size=2)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     epoch_len = (m.num_samples // plan.global_batch_size) * plan.global_batch_size
     starts = {
         f"{pct}%": (epoch_len * pct // 100) // plan.global_batch_size * plan.global_batch_size for pct in (0, 50, 90)

@@ -21,7 +21,7 @@ def init_ray(num_cpus: int) -> None:
     if os.environ.get("RAY_ADDRESS"):  # set by `ray job submit` and by users of a running cluster
         ray.init(runtime_env=runtime_env)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env)
 
 
 def main(argv: list[str] | None = None) -> int:

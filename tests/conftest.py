@@ -31,7 +31,9 @@ def dataset(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def ray_local():
     """One local Ray instance for the in-process training tests (3 logical CPUs on 2 cores)."""
-    ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=3, include_dashboard=False, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=False
+    )
     yield
     ray.shutdown()
 

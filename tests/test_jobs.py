@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -51,29 +52,57 @@ def test_missing_dataset_is_one_line_error(tmp_path, dataset):
     )
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of a session (a job and the Ray instance it started), nothing else:
+    `ray stop` would also stop the Ray instance of this test process."""
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            if os.getsid(pid) == sid:
+                os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_ray_job_submit_to_a_started_head(tmp_path, dataset):
-    ray = os.path.join(BIN, "ray")
-    subprocess.run(
-        [ray, "start", "--head", "--num-cpus=2", "--dashboard-host=127.0.0.1", "--disable-usage-stats"],
-        check=True,
+    gcs, dashboard = free_port(), free_port()
+    head = subprocess.Popen(
+        [
+            os.path.join(BIN, "ray"),
+            "start",
+            "--head",
+            "--block",
+            f"--port={gcs}",
+            "--num-cpus=2",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard}",
+            "--disable-usage-stats",
+        ],
         env=ENV,
-        capture_output=True,
-        timeout=120,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
+    address = f"http://127.0.0.1:{dashboard}"
     try:
-        for _ in range(60):
+        for _ in range(90):
             try:
-                urllib.request.urlopen("http://127.0.0.1:8265/api/version", timeout=2)
+                urllib.request.urlopen(f"{address}/api/version", timeout=2)
                 break
             except OSError:
                 time.sleep(1)
         r = subprocess.run(
             [
-                ray,
+                os.path.join(BIN, "ray"),
                 "job",
                 "submit",
                 "--address",
-                "http://127.0.0.1:8265",
+                address,
                 "--",
                 "python",
                 PRETRAIN,
@@ -87,7 +116,8 @@ def test_ray_job_submit_to_a_started_head(tmp_path, dataset):
             env=ENV,
         )
     finally:
-        subprocess.run([ray, "stop"], env=ENV, capture_output=True, timeout=120)
+        kill_session(head.pid)
+        head.wait()
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "run submitted finished" in r.stdout and "succeeded" in r.stdout
     assert os.path.exists(tmp_path / "runs" / "submitted" / "step-6" / ".metadata")
@@ -106,10 +136,9 @@ def test_resubmission_after_the_driver_died_resumes_the_same_run(tmp_path, datas
     deadline = time.time() + 240
     while time.time() < deadline and not (snapshot.exists() and '"step-10"' in snapshot.read_text()):
         time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGKILL)  # the whole job dies: driver, its local Ray instance, workers
+    kill_session(proc.pid)  # the whole job dies: driver, its local Ray instance, workers
     proc.wait()
     assert '"step-10"' in snapshot.read_text()
-    subprocess.run([os.path.join(BIN, "ray"), "stop", "--force"], env=ENV, capture_output=True, timeout=120)
 
     r = pretrain(*args)
     assert r.returncode == 0, r.stderr[-3000:]
