@@ -10,8 +10,10 @@ python jobs/prepare_data.py --output data/stdlib
 ray start --head --num-cpus=2 --dashboard-host=127.0.0.1 --disable-usage-stats >/dev/null
 trap 'ray stop >/dev/null 2>&1 || true' EXIT
 for _ in $(seq 1 60); do curl -sf http://127.0.0.1:8265/api/version >/dev/null && break; sleep 1; done
+RUN_NAME="demo-$(date +%Y%m%d-%H%M%S)"  # a new run each time, so the injected failure happens again
 ray job submit --address http://127.0.0.1:8265 -- python "$PWD/jobs/pretrain.py" --config "$PWD/configs/demo.yaml" \
-  "data.path=$PWD/data/stdlib" "run.storage_path=$PWD/runs" "tracking.uri=sqlite:///$PWD/mlflow.db" "$@"
+  "run.name=$RUN_NAME" "data.path=$PWD/data/stdlib" "run.storage_path=$PWD/runs" "tracking.uri=sqlite:///$PWD/mlflow.db" "$@"
 echo
 echo "MLflow UI: .venv/bin/mlflow ui --backend-store-uri sqlite:///$PWD/mlflow.db --host 127.0.0.1 --port 5000"
-echo "           then open http://127.0.0.1:5000 (experiment raytrain-ft, run demo)"
+echo "           then open http://127.0.0.1:5000 (experiment raytrain-ft, run $RUN_NAME)"
+echo "Recovery history: .venv/bin/raytrain-ft history $RUN_NAME --tracking-uri sqlite:///$PWD/mlflow.db"
