@@ -96,25 +96,13 @@ def test_ray_job_submit_to_a_started_head(tmp_path, dataset):
                 break
             except OSError:
                 time.sleep(1)
-        r = subprocess.run(
-            [
-                os.path.join(BIN, "ray"),
-                "job",
-                "submit",
-                "--address",
-                address,
-                "--",
-                "python",
-                PRETRAIN,
-                "--config",
-                TINY,
-                *run_args(tmp_path, dataset, "run.name=submitted", "train.max_steps=6"),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=400,
-            env=ENV,
-        )
+        submit = [os.path.join(BIN, "ray"), "job", "submit", "--address", address, "--", "python", PRETRAIN]
+        submit += ["--config", TINY, *run_args(tmp_path, dataset, "run.name=submitted", "train.max_steps=6")]
+        for _ in range(30):  # the dashboard answers before its job agent is up: Ray says "try again later"
+            r = subprocess.run(submit, capture_output=True, text=True, timeout=400, env=ENV)
+            if "No available agent to submit job" not in r.stdout + r.stderr:
+                break
+            time.sleep(2)
     finally:
         kill_session(head.pid)
         head.wait()
