@@ -70,7 +70,7 @@ def kill_session(sid: int) -> None:
 
 
 def test_ray_job_submit_to_a_started_head(tmp_path, dataset):
-    gcs, dashboard = free_port(), free_port()
+    gcs, dashboard, agent, agent_grpc, metrics = (free_port() for _ in range(5))
     head = subprocess.Popen(
         [
             os.path.join(BIN, "ray"),
@@ -81,6 +81,9 @@ def test_ray_job_submit_to_a_started_head(tmp_path, dataset):
             "--num-cpus=2",
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={dashboard}",
+            f"--dashboard-agent-listen-port={agent}",  # the test session's own Ray holds the default ports
+            f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--metrics-export-port={metrics}",
             "--disable-usage-stats",
         ],
         env=ENV,
