@@ -51,18 +51,24 @@ def test_one_rank_spikes_are_skipped_everywhere_and_history_survives_restart(tmp
     assert all(torch.isfinite(w).all() for w in weights(cfg, 140).values())
 
 
+# every guard at a short interval, `on_alert: restart`: the clean run and the bit-flip run share it
+GUARDED_60 = [
+    "run.name=g",
+    "train.max_steps=60",
+    "checkpoint.interval_steps=10",
+    "guards.fingerprint.interval_steps=5",
+    "guards.rank_check.interval_steps=1",
+    "guards.on_alert=restart",
+]
+
+
 @pytest.fixture(scope="module")
 def clean_60(tmp_path_factory, dataset):
     """A clean 60-step run with every guard at a short interval and `on_alert: restart`."""
     cfg = make_config(
         tmp_path_factory.mktemp("clean"),
         dataset,
-        "run.name=g",
-        "train.max_steps=60",
-        "checkpoint.interval_steps=10",
-        "guards.fingerprint.interval_steps=5",
-        "guards.rank_check.interval_steps=1",
-        "guards.on_alert=restart",
+        *GUARDED_60,
     )
     run_id = run(cfg)
     return cfg, run_id
@@ -79,12 +85,7 @@ def test_bitflip_is_detected_and_the_run_restarts_from_a_clean_checkpoint(tmp_pa
     cfg = make_config(
         tmp_path,
         dataset,
-        "run.name=g",
-        "train.max_steps=60",
-        "checkpoint.interval_steps=10",
-        "guards.fingerprint.interval_steps=5",
-        "guards.rank_check.interval_steps=1",
-        "guards.on_alert=restart",
+        *GUARDED_60,
         "faults=[{kind: bitflip, step: 42, rank: 1}]",
     )
     run_id = run(cfg)
