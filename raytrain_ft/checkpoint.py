@@ -94,7 +94,9 @@ class Checkpointer:
         self.control_group = dist.new_group(backend="gloo")
         self.pending: tuple[int, str, object] | None = None  # (step, path, upload future)
         self.staging = None  # future of the snapshot copy still in progress
-        self.last_stall_s = 0.0
+        self.stall_s = 0.0  # seconds training was blocked in save() / wait_staged(), since start
+        self.last_cost_s = self.last_duration_s = 0.0  # of the last committed save: stall; start to commit
+        self._started = self._pending_stall = 0.0
         cuda = torch.cuda.is_available()
         # Pinned host memory + non-blocking copies on GPU; on CPU a plain background copy.
         self.stager = DefaultStager(StagingOptions(cuda, False, True, cuda))
@@ -112,16 +114,22 @@ class Checkpointer:
             self.staging, upload = response.staging_completion, response.upload_completion
         else:
             self.staging, upload = None, response
-        self.last_stall_s += time.perf_counter() - t0
         self.pending = (step, path, upload)
+        self._started, self._pending_stall = t0, 0.0
+        self._stalled(t0)
 
     def wait_staged(self) -> None:
         """Block until the snapshot copy is finished; call before anything mutates the state."""
         if self.staging is not None:
             t0 = time.perf_counter()
             self.staging.result()
-            self.last_stall_s += time.perf_counter() - t0
+            self._stalled(t0)
             self.staging = None
+
+    def _stalled(self, since: float) -> None:
+        blocked = time.perf_counter() - since
+        self.stall_s += blocked
+        self._pending_stall += blocked
 
     def poll(self) -> int | None:
         """Commit the pending save if every rank finished writing; return its step if committed."""
@@ -144,6 +152,7 @@ class Checkpointer:
         step, path, upload = self.pending
         upload.result()  # re-raises a failed write instead of committing it
         self.pending = None
+        self.last_cost_s, self.last_duration_s = self._pending_stall, time.perf_counter() - self._started
         self.commit(step, path)
         return step
 

@@ -22,6 +22,7 @@ from raytrain_ft.errors import ConfigError
 
 FAULT_KINDS = ("raise", "kill", "kill_during_save", "nan", "spike", "bitflip", "hang", "slow")
 ALERT_POLICIES = ("warn", "restart")
+INTERVAL_MODES = ("fixed", "auto")
 
 
 @dataclass
@@ -66,6 +67,7 @@ class ScalingSection:
 @dataclass
 class CheckpointSection:
     interval_steps: int = 50  # async checkpoint every N steps (and always at max_steps)
+    interval: str = "fixed"  # fixed = every interval_steps; auto = Young/Daly from the measured cost and the MTBF
     num_to_keep: int = 3  # committed checkpoints Ray keeps; older ones are deleted
 
 
@@ -73,6 +75,7 @@ class CheckpointSection:
 class FailureSection:
     max_failures: int = 3  # worker-group restarts before the run fails (Ray FailureConfig)
     collective_timeout_s: int = 600  # process-group timeout: a stuck collective becomes an error
+    mtbf_hours_per_gpu: float = 10000.0  # MTBF of one GPU (one worker on CPU), hours; for checkpoint.interval=auto
     hang_timeout_s: float = 0.0  # no step for this long: dump stacks, exit, restart; 0 = max(10 x median step, 300 s)
 
 
@@ -261,6 +264,12 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(
             f"config key 'guards.on_alert' is {cfg.guards.on_alert!r}; valid: {', '.join(ALERT_POLICIES)}"
         )
+    if cfg.checkpoint.interval not in INTERVAL_MODES:
+        raise ConfigError(
+            f"config key 'checkpoint.interval' is {cfg.checkpoint.interval!r}; valid: {', '.join(INTERVAL_MODES)}"
+        )
+    if not cfg.failure.mtbf_hours_per_gpu > 0:
+        raise ConfigError(f"config key 'failure.mtbf_hours_per_gpu' must be > 0, got {cfg.failure.mtbf_hours_per_gpu}")
     positive = {
         "train.max_steps": cfg.train.max_steps,
         "train.global_batch_size": cfg.train.global_batch_size,

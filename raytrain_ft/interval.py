@@ -152,3 +152,62 @@ def interval_steps(interval_s: float, step_time_s: float, min_steps: int = 1) ->
     if min_steps < 1:
         raise ValueError(f"min_steps must be at least 1, got {min_steps!r}")
     return max(int(min_steps), math.floor(interval_s / step_time_s + 0.5))
+
+
+MIN_OBSERVED_FAILURES = 3
+MIN_COST_S = 1e-3  # a measured stall of ~0 s would make the interval ~0
+
+
+def planning_mtbf_s(
+    mtbf_hours_per_gpu: float, num_gpus: int, failure_times: list[float], run_start: float, now: float
+) -> tuple[float, str]:
+    """The cluster MTBF (seconds) to plan checkpoints with, and where it came from.
+
+    After `MIN_OBSERVED_FAILURES` (3) or more failures of this run: observed, the run's wall time
+    so far (`now - run_start`, unix seconds) divided by its failures. Before that: configured,
+    `cluster_mtbf_s(mtbf_hours_per_gpu, num_gpus)` (GPUs, or workers on CPU).
+    """
+    if len(failure_times) >= MIN_OBSERVED_FAILURES and now > run_start:
+        return (now - run_start) / len(failure_times), "observed"
+    return cluster_mtbf_s(mtbf_hours_per_gpu, num_gpus), "configured"
+
+
+class CheckpointSchedule:
+    """When to start a checkpoint: every `interval_steps`, or Daly's interval (`checkpoint.interval: auto`).
+
+    Fixed: at every multiple of `interval_steps`. Auto (`mtbf_s` given): `interval_steps` after the
+    last save until the first save is measured, then `update` sets the interval to
+    `max(optimal_interval_s(cost, mtbf_s), save duration)` seconds of compute (Daly 2006; never
+    shorter than one save, so writes do not queue up), converted to steps at the current step time.
+    """
+
+    def __init__(self, interval_steps: int, mtbf_s: float | None = None, last_save_step: int = 0):
+        self.steps, self.mtbf_s, self.last_save_step = interval_steps, mtbf_s, last_save_step
+
+    @property
+    def auto(self) -> bool:
+        return self.mtbf_s is not None
+
+    def due(self, step: int) -> bool:
+        if self.auto:
+            return step - self.last_save_step >= self.steps
+        return step % self.steps == 0
+
+    def saved(self, step: int) -> None:
+        self.last_save_step = step
+
+    def update(self, cost_s: float, save_s: float, step_time_s: float) -> dict[str, float]:
+        """Recompute the auto interval from the last save's cost (training stall, seconds), its
+        duration (start to commit, seconds) and the step time (seconds); returns what to log."""
+        if not self.auto or step_time_s <= 0:
+            return {}
+        interval = max(optimal_interval_s(max(cost_s, MIN_COST_S), self.mtbf_s), save_s)
+        self.steps = interval_steps(interval, step_time_s)
+        return {
+            "checkpoint_interval_steps": self.steps,
+            "checkpoint_interval_s": interval,
+            "checkpoint_cost_s": cost_s,
+            "checkpoint_save_s": save_s,
+            "median_step_time_s": step_time_s,
+            "mtbf_s": self.mtbf_s,
+        }

@@ -4,7 +4,8 @@ Read top to bottom: `train` builds the model, optimizer, schedule and the checkp
 restores, then runs `Trainer.step` once per optimizer step: forward/backward over
 `grad_accum_steps` micro-batches -> clip (global grad norm) -> spike guard (all ranks agree) ->
 wait for the checkpoint snapshot -> optimizer step or skip -> metrics -> rank check and replica
-fingerprint at their intervals -> commit/save, or roll back after persistent spikes.
+fingerprint at their intervals -> commit/save, or roll back after persistent spikes. Rank 0 also
+keeps the goodput ledger (`raytrain_ft.goodput`): every second of wall time in one bucket.
 """
 
 from __future__ import annotations
@@ -26,12 +27,16 @@ from raytrain_ft.data.order import EpochOrder
 from raytrain_ft.data.position import BatchPlan, DataPosition
 from raytrain_ft.errors import ConfigError
 from raytrain_ft.faults import FaultInjector
+from raytrain_ft.goodput import GoodputLedger
 from raytrain_ft.guards import ReplicaMismatchError, RollbackLog, SpikeGuard, gather_rows, rank_spread, replica_checksum
+from raytrain_ft.interval import CheckpointSchedule, planning_mtbf_s
 from raytrain_ft.model import build_model, lm_loss
+from raytrain_ft.recovery import failures
 from raytrain_ft.session import Session
 from raytrain_ft.tracking import RunLogger
 from raytrain_ft.train_state import (
     KEY_DATA,
+    KEY_GOODPUT,
     KEY_GUARDS,
     KEY_META,
     KEY_MODEL,
@@ -123,13 +128,14 @@ def train(cfg: Config, session: Session, tracking_uri: str, mlflow_run_id: str) 
         trainer.step()
         trainer.watchdog.beat()
     trainer.watchdog.stop()  # the final write may take longer than a step
-    trainer.checkpointer.wait()
+    trainer.finish()
 
 
 class Trainer:
     """One rank's training run: the components, and `step()`."""
 
     def __init__(self, cfg: Config, session: Session, tracking_uri: str, mlflow_run_id: str):
+        init_started_at = time.time()  # restore time (goodput) counts from here
         self.cfg, self.session = cfg, session
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         cuda = torch.cuda.is_available()
@@ -162,6 +168,9 @@ class Trainer:
         self.state.add(KEY_ROLLBACKS, Pickled(self.rollbacks))
         self.state.add(rng_key(self.rank), Pickled(RNGState()))
         self.state.add(KEY_META, RunMeta(fingerprint(cfg, self.manifest, num_params), mlflow_run_id))
+        self.ledger = GoodputLedger()
+        if self.rank == 0:
+            self.state.add(KEY_GOODPUT, Pickled(self.ledger))
 
         self.logger = RunLogger(tracking_uri, mlflow_run_id) if self.rank == 0 else None
         self.checkpointer = Checkpointer(session.run_root, self._commit)
@@ -170,7 +179,7 @@ class Trainer:
         self.faults = FaultInjector(cfg.faults, self.rank, session.run_root)
         hang_logger = RunLogger(tracking_uri, mlflow_run_id)  # every rank: the hung one reports its stacks
         self.watchdog = StepWatchdog(
-            cfg.failure.hang_timeout_s, session.run_root, self.rank, lambda dump: hang_logger.hang(self.rank, dump)
+            cfg.failure.hang_timeout_s, session.run_root, self.rank, lambda *hang: hang_logger.hang(self.rank, *hang)
         )
         resumed_from, loaded = restore(self.checkpointer, self.state, session, self.logger)
         if rng_key(self.rank) not in loaded:  # fresh start, or a rank added by an elastic resize
@@ -179,12 +188,10 @@ class Trainer:
         self.first_step = self.progress.step + 1
         self.batches = step_batches(session, self.position, self.plan, self.steps_per_epoch)
         self.save_due = self.preemption_saved = False
+        self.stall_seen = 0.0  # checkpointer.stall_s already accounted
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda)
-        if self.logger:
-            self.logger.metrics(
-                self.progress.step, {"resumed_from_step": resumed_from or 0, "world_size": self.world_size}
-            )
-            self.logger.event("attempt_start", resumed_from=resumed_from or 0, world_size=self.world_size)
+        failure_times = self.start_attempt(init_started_at, resumed_from, KEY_GOODPUT in loaded) if self.logger else []
+        self.schedule = self.checkpoint_schedule(failure_times)
         log.info(
             "rank %d: start at step %d (world size %d, grad_accum_steps %d)",
             self.rank,
@@ -193,9 +200,57 @@ class Trainer:
             self.plan.grad_accum_steps,
         )
 
+    def start_attempt(self, init_started_at: float, resumed_from: int | None, ledger_loaded: bool) -> list[float]:
+        """Rank 0, after the restore: log the attempt, classify the time since the checkpoint's
+        snapshot (goodput), and return the run's failure times (unix seconds) so far."""
+        self.logger.metrics(self.progress.step, {"resumed_from_step": resumed_from or 0, "world_size": self.world_size})
+        self.logger.event(
+            "attempt_start", resumed_from=resumed_from or 0, world_size=self.world_size, init_started_at=init_started_at
+        )
+        events = self.logger.events()
+        if not ledger_loaded:
+            self.ledger.start(self.logger.run_start())
+        self.ledger.add_gap(events, time.time(), fresh=not ledger_loaded)
+        self.logger.goodput(self.progress.step, self.ledger.summary(time.time()))
+        return [f["time"] for _, f in failures(events)]
+
+    def checkpoint_schedule(self, failure_times: list[float]) -> CheckpointSchedule:
+        """`checkpoint.interval`: fixed, or auto with the MTBF rank 0 chose (broadcast: ranks must agree)."""
+        c = self.cfg.checkpoint
+        if c.interval != "auto":
+            return CheckpointSchedule(c.interval_steps)
+        mtbf = torch.zeros(1, dtype=torch.float64)
+        if self.rank == 0:
+            now = time.time()
+            f = self.cfg.failure
+            mtbf[0], source = planning_mtbf_s(
+                f.mtbf_hours_per_gpu, self.world_size, failure_times, self.ledger.run_start, now
+            )
+            self.logger.tags({"mtbf_source": source})
+        dist.broadcast(mtbf, src=0, group=self.group)
+        return CheckpointSchedule(c.interval_steps, mtbf.item(), last_save_step=self.progress.step)
+
     def _commit(self, step: int, path: str) -> None:
         self.audit.flush()
         self.session.commit(step, path, {"step": step})
+        if self.schedule.auto:  # every rank plans with the slowest rank's figures
+            cp = self.checkpointer
+            measured = torch.tensor([cp.last_cost_s, cp.last_duration_s, self.watchdog.median_step_s])
+            dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.group)
+            planned = self.schedule.update(*measured.tolist())
+            if self.logger and planned:
+                self.logger.metrics(step, planned)
+        if self.logger:
+            self.logger.goodput(step, self.ledger.summary(time.time()))
+            self.logger.refresh_loss_plot()
+
+    def finish(self) -> None:
+        """After the last step: wait for the final checkpoint; rank 0 logs the goodput summary and plot."""
+        self.checkpointer.wait()
+        if self.logger:
+            self.ledger.add("checkpoint_stall", time.time())
+            self.logger.goodput(self.progress.step, self.ledger.summary(time.time()), final=True)
+            self.logger.refresh_loss_plot(wait=True)
 
     def step(self) -> None:
         step = self.progress.step + 1
@@ -219,7 +274,10 @@ class Trainer:
         self.position.advance(self.plan.global_batch_size, self.steps_per_epoch)
         self.faults.after_optimizer_step(step, self.model)
         loss = totals[0].item() / self.world_size
-        self.log_step(step, loss, grad_norm, time.perf_counter() - t0)
+        stall, self.stall_seen = self.checkpointer.stall_s - self.stall_seen, self.checkpointer.stall_s
+        if self.logger:
+            self.ledger.add_step(time.time(), stall, skip)
+        self.log_step(step, loss, grad_norm, time.perf_counter() - t0, stall)
         if skip:
             self.record_skip(step, grad_norm, median)
         self.monitor(step, local_loss, grad_norm)
@@ -241,7 +299,7 @@ class Trainer:
             loss += micro_loss.detach()
         return loss.item()
 
-    def log_step(self, step: int, loss: float, grad_norm: float, step_time: float) -> None:
+    def log_step(self, step: int, loss: float, grad_norm: float, step_time: float, stall: float) -> None:
         if not self.logger:
             return
         tokens_per_s = self.plan.global_batch_size * self.manifest.seq_len / step_time
@@ -254,11 +312,10 @@ class Trainer:
                 "tokens_per_s": tokens_per_s,
                 "step_time_s": step_time,
                 "epoch": self.position.epoch,
-                "checkpoint_stall_s": self.checkpointer.last_stall_s,
+                "checkpoint_stall_s": stall,
             },
             current={"last_step": step, "current_step_time_s": step_time},
         )
-        self.checkpointer.last_stall_s = 0.0
         if step == self.first_step:
             self.logger.event("first_step", step=step)
             self.logger.write_recovery_tables()
@@ -309,11 +366,12 @@ class Trainer:
 
     def maybe_save(self, step: int) -> None:
         """Periodic, final and just-in-time (preemption) saves; none while a skip streak is on."""
-        self.save_due |= step % self.cfg.checkpoint.interval_steps == 0
+        self.save_due |= self.schedule.due(step)
         final = step == self.cfg.train.max_steps
         if (self.save_due and self.guard.consecutive == 0) or final:
             if self.check_replicas(step) or final:
                 self.checkpointer.save(step, self.state, slow_writer=self.faults.slow_save(step))
+                self.schedule.saved(step)
                 self.faults.after_save_started(step)
             self.save_due = False
         if not self.preemption_saved and self.session.preemption_pending():
@@ -325,6 +383,7 @@ class Trainer:
         periodic save is in flight) and wait until it is registered, so the restart loses nothing."""
         if self.checkpointer.pending is None or self.checkpointer.pending[0] != step:
             self.checkpointer.save(step, self.state)
+            self.schedule.saved(step)
         self.settle()
         if self.logger:
             self.logger.event("preemption_checkpoint", step=step)
@@ -346,6 +405,7 @@ class Trainer:
                 f"{self.guard.consecutive} skipped steps in a row and no checkpoint before step {first_bad}"
             )
         target = step_path(self.session.run_root, complete[0])
+        restore_started_at = time.time()
         keep = self.state.components.pop(KEY_ROLLBACKS)  # the rollback record survives the reload
         try:
             self.checkpointer.restore(self.state, [target], lambda path, reason: None)
@@ -363,6 +423,7 @@ class Trainer:
             "skipped_sample_ids": skipped,
         }
         self.rollbacks.rollbacks.append(record)
+        self.schedule.saved(self.progress.step)
         self.batches = step_batches(self.session, self.position, self.plan, self.steps_per_epoch)
         log.warning(
             "rank %d: rolled back from step %d to %d, skipping %d global batches",
@@ -371,8 +432,9 @@ class Trainer:
             self.progress.step,
             window,
         )
-        if self.logger:
-            self.logger.event("rollback", **record)
+        if self.logger:  # the reloaded ledger ends at the checkpoint: account for the discarded steps
+            self.logger.event("rollback", **record, restore_started_at=restore_started_at)
+            self.ledger.add_gap(self.logger.events(), time.time(), fresh=False)
             self.logger.metrics(step, {"rollbacks": len(self.rollbacks.rollbacks)})
 
     def window_sample_ids(self, steps: int) -> list[int]:

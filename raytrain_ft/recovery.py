@@ -23,7 +23,7 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, tz=timezone.utc).isoformat(timespec="seconds")
 
 
-def _failures(events: list[dict]) -> list[tuple[int, dict]]:
+def failures(events: list[dict]) -> list[tuple[int, dict]]:
     """(index, failure) pairs; the controller may report one failure in several calls (one per failed
     rank) before the next attempt starts: those are merged, keeping the first time and step."""
     merged: list[tuple[int, dict]] = []
@@ -42,7 +42,7 @@ def _failures(events: list[dict]) -> list[tuple[int, dict]]:
 def recovery_rows(events: list[dict]) -> list[dict]:
     """One dict per failure (oldest first); fields not known yet (no resume so far) are None."""
     rows = []
-    for i, e in _failures(events):
+    for i, e in failures(events):
         later = events[i + 1 :]
         start = next((x for x in later if x["kind"] == "attempt_start"), None)
         first = next((x for x in later if x["kind"] == "first_step" and start and x["time"] >= start["time"]), None)

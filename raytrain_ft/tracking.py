@@ -11,9 +11,11 @@ records failures; the driver sets the final status. Default store: `sqlite:///<c
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import fsspec
 from mlflow.entities import Metric, Param, RunTag
@@ -25,6 +27,8 @@ from raytrain_ft.errors import UserError
 
 RUN_ID_FILE = "mlflow_run_id"
 EVENTS_DIR = "events"
+GOODPUT_SUMMARY = "goodput_summary.json"
+log = logging.getLogger(__name__)
 
 
 def resolve_uri(uri: str) -> str:
@@ -80,6 +84,12 @@ class RunLogger:
 
     def __init__(self, uri: str, run_id: str):
         self.client, self.run_id = MlflowClient(uri), run_id
+        self._plotter: ThreadPoolExecutor | None = None
+        self._plot: Future | None = None
+
+    def run_start(self) -> float:
+        """When the MLflow run was created (first submission), unix seconds."""
+        return self.client.get_run(self.run_id).info.start_time / 1000.0
 
     def metrics(self, step: int, values: dict[str, float], current: dict[str, float] | None = None) -> None:
         """Log `values` at `step`; `current` values at step 0, where MLflow's "latest" is the newest
@@ -113,11 +123,40 @@ class RunLogger:
                 events.append(json.load(f))
         return sorted(events, key=lambda e: e["time"])
 
-    def hang(self, rank: int, dump: str) -> None:
-        """A hang's stack dump as an artifact, plus an event."""
+    def hang(self, rank: int, dump: str, stalled_s: float) -> None:
+        """A hang's stack dump as an artifact, plus an event (`stalled_s`: seconds since the last step)."""
         name = f"hangs/rank{rank}-{int(time.time())}.txt"
         self.client.log_text(self.run_id, dump, name)
-        self.event("hang", rank=rank, stack_dump=name)
+        self.event("hang", rank=rank, stack_dump=name, stalled_s=stalled_s)
+
+    def goodput(self, step: int, summary: dict[str, float], final: bool = False) -> None:
+        """The goodput summary (`GoodputLedger.summary`) as metrics at `step`; the final one also as
+        the artifact `goodput_summary.json`."""
+        self.metrics(step, summary)
+        if final:
+            self.client.log_dict(self.run_id, summary, GOODPUT_SUMMARY)
+
+    def refresh_loss_plot(self, wait: bool = False) -> None:
+        """Re-render `loss.png` (`raytrain_ft.loss_plot`) in a background thread, off the training
+        loop; skipped while the previous render still runs. `wait` blocks until a render is done."""
+        if self._plot is not None and not self._plot.done():
+            if not wait:
+                return
+            self._plot.result()
+        self._plotter = self._plotter or ThreadPoolExecutor(max_workers=1, thread_name_prefix="loss-plot")
+        self._plot = self._plotter.submit(self._render_loss_plot)
+        if wait:
+            self._plot.result()
+
+    def _render_loss_plot(self) -> None:
+        from raytrain_ft.loss_plot import LOSS_PLOT, loss_figure
+
+        try:
+            history = sorted(self.client.get_metric_history(self.run_id, "loss"), key=lambda m: m.timestamp)
+            fig = loss_figure([(m.step, m.value) for m in history], self.events())
+            self.client.log_figure(self.run_id, fig, LOSS_PLOT)
+        except Exception as e:  # a plot is not worth a failed training run
+            log.warning("could not refresh %s: %s", LOSS_PLOT, e)
 
     def write_recovery_tables(self) -> None:
         """Rebuild `recovery_history.json`, `guard_events.json` and the recovery totals from the events."""

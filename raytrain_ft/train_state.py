@@ -34,6 +34,7 @@ KEY_DATA = "data"
 KEY_GUARDS = "guards"
 KEY_ROLLBACKS = "rollbacks"
 KEY_META = "meta"
+KEY_GOODPUT = "goodput"  # rank 0 only: its GoodputLedger
 KEY_RNG_PREFIX = "rng.rank"
 
 

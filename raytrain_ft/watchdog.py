@@ -4,8 +4,8 @@ A hung collective or a stuck data read otherwise blocks forever (the process-gro
 collectives only, and only when the backend honours it). The watchdog is a daemon thread: if no
 `beat()` arrives for `timeout_s` seconds it writes `faulthandler`'s dump of all Python threads to
 stderr (the Ray worker log) and to `<run folder>/hangs/rank<R>-<unix time>.txt`, calls `on_hang`
-with the dump (rank 0 logs it to MLflow), then `os._exit(HANG_EXIT_CODE)`, so Ray restarts the
-worker group from the last checkpoint.
+with the dump and the seconds since the last step (logged to MLflow), then
+`os._exit(HANG_EXIT_CODE)`, so Ray restarts the worker group from the last checkpoint.
 
 Timeout: `failure.hang_timeout_s`, or when it is 0 the larger of 10 x the median step time so far
 and 300 s (the design notes' rule of thumb: a step is never 10x slower when healthy).
@@ -30,7 +30,7 @@ MIN_AUTO_TIMEOUT_S = 300.0
 
 
 class StepWatchdog:
-    def __init__(self, timeout_s: float, run_root: str, rank: int, on_hang: Callable[[str], None] | None = None):
+    def __init__(self, timeout_s: float, run_root: str, rank: int, on_hang: Callable[[str, float], None] | None = None):
         self.fixed_timeout_s, self.run_root, self.rank, self.on_hang = timeout_s, run_root.rstrip("/"), rank, on_hang
         self.last_beat = time.monotonic()
         self.step_times: deque[float] = deque(maxlen=100)
@@ -41,8 +41,12 @@ class StepWatchdog:
     def timeout_s(self) -> float:
         if self.fixed_timeout_s > 0:
             return self.fixed_timeout_s
-        median = statistics.median(self.step_times) if self.step_times else 0.0
-        return max(10 * median, MIN_AUTO_TIMEOUT_S)
+        return max(10 * self.median_step_s, MIN_AUTO_TIMEOUT_S)
+
+    @property
+    def median_step_s(self) -> float:
+        """Median seconds between the last 100 beats (0 before the first)."""
+        return statistics.median(self.step_times) if self.step_times else 0.0
 
     def beat(self) -> None:
         """Call after every completed step."""
@@ -59,6 +63,7 @@ class StepWatchdog:
                 self._dump_and_exit()
 
     def _dump_and_exit(self) -> None:
+        stalled_s = time.monotonic() - self.last_beat
         with tempfile.TemporaryFile("w+") as f:
             f.write(f"rank {self.rank}: no step completed for {self.timeout_s:.0f} s; stacks of all threads:\n")
             f.flush()
@@ -73,6 +78,6 @@ class StepWatchdog:
             ) as out:
                 out.write(dump)
             if self.on_hang:
-                self.on_hang(dump)
+                self.on_hang(dump, stalled_s)
         finally:
             os._exit(HANG_EXIT_CODE)

@@ -12,6 +12,7 @@ from mlflow.tracking import MlflowClient
 
 from conftest import make_config
 from raytrain_ft.launch.trainer import run
+from raytrain_ft.loss_plot import loss_figure
 from raytrain_ft.tracking import RunLogger
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -37,6 +38,30 @@ def test_two_failures_make_two_recovery_rows_and_the_history_cli_prints_them(tmp
     metrics = client.get_run(run_id).data.metrics
     assert metrics["restarts"] == 2 and metrics["lost_steps_total"] == 3
     assert metrics["downtime_s_total"] == pytest.approx(sum(r["downtime_s"] for r in rows))
+
+    # goodput: every second of the wall time in one bucket; restarts cost time
+    with open(client.download_artifacts(run_id, "goodput_summary.json")) as f:
+        goodput = json.load(f)
+    badput = {k[len("badput_") : -len("_s")]: v for k, v in goodput.items() if k.startswith("badput_")}
+    assert 0 < goodput["goodput"] < 1 and goodput["goodput"] == pytest.approx(
+        goodput["productive_s"] / goodput["wall_s"]
+    )
+    assert goodput["productive_s"] + sum(badput.values()) == pytest.approx(goodput["wall_s"], rel=0.05)
+    assert all(badput[k] > 0 for k in ("checkpoint_stall", "lost_work", "restart_downtime", "restore", "startup"))
+    assert badput["skipped_steps"] == badput["hang"] == 0
+    # failure -> first resumed step (recovery table) spans the restart downtime and the restore
+    assert badput["restart_downtime"] + badput["restore"] < metrics["downtime_s_total"]
+    info = client.get_run(run_id).info
+    assert (
+        0.75 * (info.end_time - info.start_time) / 1000 < goodput["wall_s"] <= (info.end_time - info.start_time) / 1000
+    )
+    assert metrics["goodput"] == goodput["goodput"]
+
+    # the loss plot marks both failures at their last completed step
+    assert "loss.png" in {a.path for a in client.list_artifacts(run_id)}
+    history = sorted(client.get_metric_history(run_id, "loss"), key=lambda m: m.timestamp)
+    fig = loss_figure([(m.step, m.value) for m in history], RunLogger(cfg.tracking.uri, run_id).events())
+    assert sorted(line.get_xdata()[0] for line in fig.axes[0].lines if line.get_gid() == "failure") == [11, 22]
 
     cli = subprocess.run(
         [sys.executable, "-m", "raytrain_ft.cli", "history", "rec", "--tracking-uri", cfg.tracking.uri],
@@ -64,4 +89,6 @@ def test_a_hung_rank_dumps_its_stacks_and_the_group_restarts(tmp_path, dataset):
     assert "rank1" in {d.split("-")[0] for d in dumps}
     rows = table(cfg, run_id, "recovery_history.json")
     assert [r["resumed_from"] for r in rows] == [5]
+    # goodput: the 20 s without a step are hang time, not lost work
+    assert 20 <= MlflowClient(cfg.tracking.uri).get_run(run_id).data.metrics["badput_hang_s"] < 25
     assert MlflowClient(cfg.tracking.uri).get_run(run_id).info.status == "FINISHED"
