@@ -72,7 +72,7 @@ def _add_plan_interval(subparsers) -> None:
 
 
 def _history(args: argparse.Namespace) -> int:
-    """Print a run's recovery history, guard events and totals from MLflow (see `raytrain_ft.recovery`)."""
+    """Print a run's recovery history, guard events, totals and goodput from MLflow (see `raytrain_ft.recovery`)."""
     from mlflow.tracking import MlflowClient
     from rich.console import Console
     from rich.markup import escape
@@ -105,11 +105,30 @@ def _history(args: argparse.Namespace) -> int:
         console.print(table)
     totals = recovery.totals(recovery.recovery_rows(events))
     console.print(", ".join(f"{k} {v:g}" for k, v in totals.items()))
+    console.print(_goodput_table(run.data.metrics))
     return 0
 
 
+def _goodput_table(metrics: dict[str, float]):
+    """The latest goodput summary (`raytrain_ft.goodput`): productive time and each badput part."""
+    from rich.table import Table
+
+    from raytrain_ft.goodput import PARTS
+
+    if "goodput" not in metrics:
+        return "goodput: none logged yet"
+    table = Table(title="Goodput", caption=f"goodput {metrics['goodput']:.3f}")
+    for column in ("part", "seconds", "% of wall time"):
+        table.add_column(column, justify="left" if column == "part" else "right")
+    wall = metrics["wall_s"]
+    for part, key in [("productive", "productive_s")] + [(p, f"badput_{p}_s") for p in PARTS]:
+        table.add_row(part, f"{metrics.get(key, 0.0):.1f}", f"{100 * metrics.get(key, 0.0) / wall:.1f}")
+    table.add_row("wall time", f"{wall:.1f}", "100.0")
+    return table
+
+
 def _add_history(subparsers) -> None:
-    p = subparsers.add_parser("history", help="a run's recovery history and guard events, from MLflow")
+    p = subparsers.add_parser("history", help="a run's recovery history, guard events and goodput, from MLflow")
     p.add_argument("run", help="MLflow run name (run.name) or run id")
     p.add_argument("--tracking-uri", default="", help="MLflow tracking URI (default sqlite:///<cwd>/mlflow.db)")
     p.set_defaults(func=_history)

@@ -9,6 +9,7 @@ import sysconfig
 import pytest
 import ray
 import torch
+import torch.distributed as dist
 from mlflow.tracking import MlflowClient
 
 from raytrain_ft.checkpoint import load_model_state_dict, load_tensors, step_path
@@ -36,6 +37,14 @@ def ray_local():
     )
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+def process_group(tmp_path):
+    """A one-rank gloo process group in this process (loop and checkpoint code without Ray)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 def make_config(tmp_path, dataset: str, *overrides: str):

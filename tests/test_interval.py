@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 
 from raytrain_ft.interval import (
+    CheckpointSchedule,
     cluster_mtbf_s,
     daly_interval_s,
     expected_waste_fraction,
     interval_steps,
     optimal_interval_s,
+    planning_mtbf_s,
     simulate_waste,
     young_interval_s,
 )
@@ -110,3 +112,23 @@ def test_cli_rejects_non_positive_input():
     assert r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+
+
+def test_the_planning_mtbf_is_configured_until_three_failures_then_observed():
+    configured = planning_mtbf_s(10_000, 1000, [100.0, 200.0], run_start=0.0, now=3600.0)
+    assert configured == (36_000.0, "configured")
+    assert planning_mtbf_s(10_000, 1000, [100.0, 200.0, 300.0], run_start=0.0, now=3600.0) == (1200.0, "observed")
+
+
+def test_the_auto_schedule_uses_daly_but_never_an_interval_shorter_than_one_save():
+    fixed = CheckpointSchedule(5)
+    assert [s for s in range(1, 21) if fixed.due(s)] == [5, 10, 15, 20]
+    auto = CheckpointSchedule(5, mtbf_s=36_000.0, last_save_step=3)
+    assert not auto.due(7) and auto.due(8)  # interval_steps after the last save until a save is measured
+    planned = auto.update(cost_s=300.0, save_s=400.0, step_time_s=10.0)
+    assert planned["checkpoint_interval_s"] == daly_interval_s(300.0, 36_000.0)
+    assert auto.steps == round(daly_interval_s(300.0, 36_000.0) / 10.0)
+    auto.update(cost_s=0.0, save_s=30.0, step_time_s=1.0)  # Daly at the 1 ms floor: ~8.5 s < one 30 s save
+    assert auto.steps == 30
+    auto.saved(100)
+    assert not auto.due(129) and auto.due(130)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -72,6 +73,8 @@ def test_two_failures_make_two_recovery_rows_and_the_history_cli_prints_them(tmp
     assert cli.returncode == 0, cli.stderr
     assert "Recovery history" in cli.stdout and "InjectedFault" in cli.stdout
     assert "restarts 2, lost_steps_total 3" in cli.stdout
+    assert f"goodput {goodput['goodput']:.3f}" in cli.stdout
+    assert re.search(rf"restart_downtime\s*│\s*{badput['restart_downtime']:.1f}\s", cli.stdout)
 
 
 def test_a_hung_rank_dumps_its_stacks_and_the_group_restarts(tmp_path, dataset):

@@ -6,22 +6,13 @@ import random
 import time
 
 import numpy as np
-import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from raytrain_ft.checkpoint import Checkpointer, _SlowWriter, load_model_state_dict, step_path
 from raytrain_ft.config import TrainSection
 from raytrain_ft.loop import lr_schedule
 from raytrain_ft.train_state import ModelState, Pickled, RNGState, TrainState
-
-
-@pytest.fixture
-def process_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_rng_states_round_trip_exactly(tmp_path):
