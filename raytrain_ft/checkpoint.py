@@ -143,9 +143,13 @@ class Checkpointer:
         """Finish and commit the pending save, if any; return its step."""
         if self.pending is None:
             return None
-        self.wait_staged()
+        t0 = time.perf_counter()
+        if self.staging is not None:
+            self.staging.result()
+            self.staging = None
         self.pending[2].result()
         dist.barrier(group=self.control_group)
+        self._stalled(t0)  # all of it: training waits here (final save, settle before a fault or alert)
         return self._commit()
 
     def _commit(self) -> int:

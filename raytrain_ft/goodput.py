@@ -40,8 +40,9 @@ def classify_gap(events: list[dict], start: float, end: float, fresh: bool) -> d
     (the caller classifies what follows its own last event). A `hang` turns its `stalled_s` before
     it into hang time; a `rollback` turns [`restore_started_at`, its time] into restore time.
     With `fresh` (no checkpoint was loaded) everything up to the first attempt's start is
-    `startup`. An `attempt_start` without a failure before it (a resubmitted job whose previous
-    driver died) counts the time since the last boundary as restart downtime.
+    `startup`. An `attempt_start` without a failure before it (an elastic resize, or a job
+    resubmitted after its driver died) has no known end of work: the time since the last boundary
+    counts as lost work.
     """
     parts = dict.fromkeys(PARTS, 0.0)
     cursor, mode = start, "startup" if fresh else "lost_work"
@@ -58,8 +59,7 @@ def classify_gap(events: list[dict], start: float, end: float, fresh: bool) -> d
             upto(e["time"], mode)
             mode = "restart_downtime"
         elif kind == "attempt_start":
-            before = mode if mode == "startup" else "restart_downtime"
-            upto(e.get("init_started_at", e["time"]), before)
+            upto(e.get("init_started_at", e["time"]), mode)
             upto(e["time"], "startup" if mode == "startup" else "restore")
             mode = "lost_work"
         elif kind == "hang" and mode == "lost_work":

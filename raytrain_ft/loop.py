@@ -184,12 +184,13 @@ class Trainer:
         resumed_from, loaded = restore(self.checkpointer, self.state, session, self.logger)
         if rng_key(self.rank) not in loaded:  # fresh start, or a rank added by an elastic resize
             seed_rngs(cfg.train.seed + self.progress.step, self.rank)
-        self.watchdog.beat()  # restoring a large checkpoint is not a hang
+        self.watchdog.beat(step_done=False)  # restoring a large checkpoint is neither a hang nor a step
         self.first_step = self.progress.step + 1
         self.batches = step_batches(session, self.position, self.plan, self.steps_per_epoch)
         self.save_due = self.preemption_saved = False
         self.stall_seen = 0.0  # checkpointer.stall_s already accounted
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda)
+        self.done = self.progress.step >= cfg.train.max_steps  # a finished run submitted again
         failure_times = self.start_attempt(init_started_at, resumed_from, KEY_GOODPUT in loaded) if self.logger else []
         self.schedule = self.checkpoint_schedule(failure_times)
         log.info(
@@ -210,8 +211,9 @@ class Trainer:
         events = self.logger.events()
         if not ledger_loaded:
             self.ledger.start(self.logger.run_start())
-        self.ledger.add_gap(events, time.time(), fresh=not ledger_loaded)
-        self.logger.goodput(self.progress.step, self.ledger.summary(time.time()))
+        if not self.done:  # a finished run's account is closed
+            self.ledger.add_gap(events, time.time(), fresh=not ledger_loaded)
+            self.logger.goodput(self.progress.step, self.ledger.summary(time.time()))
         return [f["time"] for _, f in failures(events)]
 
     def checkpoint_schedule(self, failure_times: list[float]) -> CheckpointSchedule:
@@ -247,7 +249,7 @@ class Trainer:
     def finish(self) -> None:
         """After the last step: wait for the final checkpoint; rank 0 logs the goodput summary and plot."""
         self.checkpointer.wait()
-        if self.logger:
+        if self.logger and not self.done:
             self.ledger.add("checkpoint_stall", time.time())
             self.logger.goodput(self.progress.step, self.ledger.summary(time.time()), final=True)
             self.logger.refresh_loss_plot(wait=True)
@@ -366,13 +368,14 @@ class Trainer:
 
     def maybe_save(self, step: int) -> None:
         """Periodic, final and just-in-time (preemption) saves; none while a skip streak is on."""
-        self.save_due |= self.schedule.due(step)
+        # auto: never start a save while the previous one is still writing (writes must not queue)
+        self.save_due |= self.schedule.due(step) and not (self.schedule.auto and self.checkpointer.pending)
         final = step == self.cfg.train.max_steps
         if (self.save_due and self.guard.consecutive == 0) or final:
             if self.check_replicas(step) or final:
                 self.checkpointer.save(step, self.state, slow_writer=self.faults.slow_save(step))
-                self.schedule.saved(step)
                 self.faults.after_save_started(step)
+            self.schedule.saved(step)  # after a failed replica check too: the next try is an interval later
             self.save_due = False
         if not self.preemption_saved and self.session.preemption_pending():
             self.save_before_preemption(step)

@@ -28,6 +28,7 @@ from raytrain_ft.errors import UserError
 RUN_ID_FILE = "mlflow_run_id"
 EVENTS_DIR = "events"
 GOODPUT_SUMMARY = "goodput_summary.json"
+PLOT_MIN_PERIOD_S = 30.0
 log = logging.getLogger(__name__)
 
 
@@ -86,6 +87,7 @@ class RunLogger:
         self.client, self.run_id = MlflowClient(uri), run_id
         self._plotter: ThreadPoolExecutor | None = None
         self._plot: Future | None = None
+        self._plotted = -PLOT_MIN_PERIOD_S
 
     def run_start(self) -> float:
         """When the MLflow run was created (first submission), unix seconds."""
@@ -119,8 +121,9 @@ class RunLogger:
         folder = self.client.download_artifacts(self.run_id, EVENTS_DIR)
         events = []
         for name in os.listdir(folder):
-            with open(os.path.join(folder, name)) as f:
-                events.append(json.load(f))
+            if name.endswith(".json") and not name.startswith("."):  # not an upload in progress
+                with open(os.path.join(folder, name)) as f:
+                    events.append(json.load(f))
         return sorted(events, key=lambda e: e["time"])
 
     def hang(self, rank: int, dump: str, stalled_s: float) -> None:
@@ -138,11 +141,16 @@ class RunLogger:
 
     def refresh_loss_plot(self, wait: bool = False) -> None:
         """Re-render `loss.png` (`raytrain_ft.loss_plot`) in a background thread, off the training
-        loop; skipped while the previous render still runs. `wait` blocks until a render is done."""
-        if self._plot is not None and not self._plot.done():
-            if not wait:
-                return
+        loop. Skipped while the previous render runs or if one started less than
+        `PLOT_MIN_PERIOD_S` ago (a render reads the whole loss history: with checkpoints every few
+        seconds it would compete with training for rank 0's CPU). `wait` renders now and blocks."""
+        if not wait and (
+            (self._plot is not None and not self._plot.done()) or time.monotonic() - self._plotted < PLOT_MIN_PERIOD_S
+        ):
+            return
+        if self._plot is not None:
             self._plot.result()
+        self._plotted = time.monotonic()
         self._plotter = self._plotter or ThreadPoolExecutor(max_workers=1, thread_name_prefix="loss-plot")
         self._plot = self._plotter.submit(self._render_loss_plot)
         if wait:

@@ -48,10 +48,12 @@ class StepWatchdog:
         """Median seconds between the last 100 beats (0 before the first)."""
         return statistics.median(self.step_times) if self.step_times else 0.0
 
-    def beat(self) -> None:
-        """Call after every completed step."""
+    def beat(self, step_done: bool = True) -> None:
+        """Call after every completed step; `step_done=False` restarts the clock without a step-time
+        sample (after a restore, which is not a step)."""
         now = time.monotonic()
-        self.step_times.append(now - self.last_beat)
+        if step_done:
+            self.step_times.append(now - self.last_beat)
         self.last_beat = now
 
     def stop(self) -> None:

@@ -61,6 +61,15 @@ def test_a_rollback_turns_the_discarded_steps_into_lost_work_and_its_reload_into
     }
 
 
+def test_a_restart_without_a_failure_event_counts_the_unknown_end_of_work_as_lost_work():
+    events = [{"kind": "attempt_start", "time": 30.0, "init_started_at": 27.0}]  # e.g. an elastic resize
+    assert classify_gap(events, 10.0, 30.0, fresh=False) == {
+        **dict.fromkeys(PARTS, 0.0),
+        "lost_work": 17.0,
+        "restore": 3.0,
+    }
+
+
 def test_the_ledger_puts_steps_and_stalls_in_their_buckets_and_round_trips():
     ledger = GoodputLedger()
     ledger.start(100.0)
@@ -110,9 +119,11 @@ def test_auto_interval_follows_daly_for_the_measured_cost_and_the_configured_mtb
         interval = max(optimal_interval_s(max(cost, 1e-3), 3.6), save)
         assert planned["checkpoint_interval_s"][step] == pytest.approx(interval)
         assert steps == max(1, round(interval / step_time)) and interval >= save
-    # the saves follow the plan: 5 steps (nothing measured yet), then one of the planned intervals
+    # the saves follow the plan: 5 steps (nothing measured yet), then the planned intervals (a save
+    # waits while the previous one still writes, so a gap may exceed its plan by a step or two)
+    plans = {5} | set(planned["checkpoint_interval_steps"].values())
     gaps = [b - a for a, b in zip(saves, saves[1:-1], strict=False)]
-    assert saves[0] == 5 and saves[-1] == 40 and set(gaps) <= {5} | set(planned["checkpoint_interval_steps"].values())
+    assert saves[0] == 5 and saves[-1] == 40 and all(min(plans) <= g <= max(plans) + 3 for g in gaps)
 
     saves, data, _ = auto_run(tmp_path / "long", dataset, 10_000.0)
     assert saves == [5, 40]  # a 10,000 h MTBF: the interval outgrows the run
