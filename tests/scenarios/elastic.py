@@ -43,8 +43,9 @@ def main(dataset: str, workdir: str) -> None:
             f"run.storage_path={workdir}/runs",
             f"tracking.uri=sqlite:///{workdir}/mlflow.db",
             "run.name=elastic",
-            "model.preset=small",
             "train.max_steps=100",
+            # steps of a steady 0.6 s that leave the CPUs to Ray: the run outlasts the shrink and the grow-back
+            "faults=[{kind: slow, step: 1, steps: 100, seconds: 0.6, rank: -1}]",
             "train.global_batch_size=8",
             "checkpoint.interval_steps=10",
             "scaling.num_workers=[1,2]",
