@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -87,6 +88,17 @@ def test_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path, dataset, re
     assert sorted(m.value for m in resumed) == [0, 15]
     assert "step-20" in MlflowClient(cfg.tracking.uri).get_run(run_id).data.tags["last_corrupt_checkpoint"]
     assert_same_state(final_state(cfg, 30), reference[2])
+
+
+def test_checkpoints_without_rays_run_state_are_kept_and_refused_in_one_line(tmp_path, dataset, reference):
+    ref_cfg = reference[0]
+    cfg = make_config(tmp_path, dataset, "run.name=orphan", "train.max_steps=30")
+    shutil.copytree(step_path(run_root(ref_cfg), 30), step_path(run_root(cfg), 30))  # no Ray run state beside it
+    with pytest.raises(CheckpointError) as e:
+        run(cfg)
+    message = str(e.value)
+    assert "\n" not in message and "(steps 30) but no checkpoint_manager_snapshot.json" in message
+    assert_same_state(final_state(cfg, 30), reference[2])  # nothing was deleted
 
 
 def test_checkpoint_of_another_model_is_refused_in_one_line(tmp_path, dataset, reference):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
+import fsspec
 import ray
 import torch
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -14,7 +15,7 @@ from raytrain_ft.checkpoint import list_step_dirs, step_path
 from raytrain_ft.config import Config, to_dict
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.position import check_world_sizes
-from raytrain_ft.errors import ConfigError, UserError, find_user_error
+from raytrain_ft.errors import CheckpointError, ConfigError, UserError, find_user_error
 from raytrain_ft.launch.callbacks import RunRecorder, describe
 from raytrain_ft.launch.worker import train_func
 from raytrain_ft.loop import check_data_fits, fingerprint
@@ -60,7 +61,32 @@ def preflight(cfg: Config) -> None:
                 f"scaling.num_workers={cfg.scaling.num_workers} needs {amount:g} {res} but the Ray cluster has "
                 f"{have.get(res, 0):g}; lower scaling.num_workers / scaling.cpus_per_worker or add nodes"
             )
-    check_checkpoint_compatible(cfg, manifest, os.path.join(cfg.run.storage_path, cfg.run.name))
+    run_root = os.path.join(cfg.run.storage_path, cfg.run.name)
+    check_run_state(run_root)
+    check_checkpoint_compatible(cfg, manifest, run_root)
+
+
+RAY_RUN_STATE = "checkpoint_manager_snapshot.json"  # Ray Train's record of the committed checkpoints
+
+
+def check_run_state(run_root: str) -> None:
+    """Refuse to start when complete checkpoints exist but Ray Train's record of them is gone.
+
+    Ray's run state (`checkpoint_manager_snapshot.json` in the run folder) is what says which
+    checkpoint is committed; without it the workers would see a fresh start and delete every
+    `step-*` folder as uncommitted. Raising instead loses nothing.
+
+    Raises:
+        CheckpointError: with the steps found and how to resume or start over.
+    """
+    complete = sorted(s for s, done in list_step_dirs(run_root).items() if done)
+    fs, base = fsspec.core.url_to_fs(run_root)
+    if complete and not fs.exists(f"{base.rstrip('/')}/{RAY_RUN_STATE}"):
+        raise CheckpointError(
+            f"{run_root} holds complete checkpoints (steps {', '.join(map(str, complete))}) but no {RAY_RUN_STATE}, "
+            "Ray Train's record of which one is committed; restore that file to resume, or move the step-* "
+            "folders away (or choose a new run.name) to start over"
+        )
 
 
 def check_checkpoint_compatible(cfg: Config, manifest, run_root: str) -> None:
@@ -87,8 +113,6 @@ def check_checkpoint_compatible(cfg: Config, manifest, run_root: str) -> None:
         if saved.fingerprint.get(k) != v
     ]
     if diff:
-        from raytrain_ft.errors import CheckpointError
-
         raise CheckpointError(
             f"checkpoint {path} belongs to a different model or dataset ({', '.join(diff)}); "
             "use the original settings or a new run.name"
