@@ -115,7 +115,7 @@ def test_ray_job_submit_to_a_started_head(tmp_path, dataset):
 
 
 def test_resubmission_after_the_driver_died_resumes_the_same_run(tmp_path, dataset):
-    args = run_args(tmp_path, dataset, "run.name=resub", "train.max_steps=40", "checkpoint.interval_steps=5")
+    args = run_args(tmp_path, dataset, "run.name=resub", "train.max_steps=20", "checkpoint.interval_steps=5")
     proc = subprocess.Popen(
         [sys.executable, PRETRAIN, "--config", TINY, *args],
         env=ENV,
@@ -138,4 +138,4 @@ def test_resubmission_after_the_driver_died_resumes_the_same_run(tmp_path, datas
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     resumed = [m.value for m in client.get_metric_history(runs[0].info.run_id, "resumed_from_step")]
     assert resumed[0] == 0 and resumed[-1] >= 10
-    assert sorted({m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")}) == list(range(1, 41))
+    assert sorted({m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")}) == list(range(1, 21))
