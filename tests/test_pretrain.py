@@ -17,39 +17,30 @@ from raytrain_ft.launch.trainer import RunFailed, run
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 
-def test_twenty_steps_complete_and_loss_falls(tmp_path, dataset):
-    cfg = make_config(tmp_path, dataset, "train.max_steps=20")
-    run_id = run(cfg)
-    losses = MlflowClient(cfg.tracking.uri).get_metric_history(run_id, "loss")
-    assert sorted(m.step for m in losses) == list(range(1, 21))
-    by_step = {m.step: m.value for m in losses}
-    assert by_step[20] < by_step[1]
+def test_an_uninterrupted_run_completes_and_loss_falls(reference):
+    cfg, run_id, _ = reference
+    losses = metric_by_step(cfg, run_id, "loss")
+    assert sorted(losses) == list(range(1, 31)) and losses[30] < losses[1]
     assert MlflowClient(cfg.tracking.uri).get_run(run_id).info.status == "FINISHED"
 
 
-def test_kill_restarts_from_last_committed_checkpoint(tmp_path, dataset):
-    cfg = make_config(tmp_path, dataset, "train.max_steps=20", "faults=[{kind: kill, step: 12, rank: 1}]")
-    run_id = run(cfg)
-    run_data = MlflowClient(cfg.tracking.uri).get_run(run_id).data
-    assert run_data.metrics["restarts"] == 1
-    assert "rank 1" in run_data.tags["last_failure_cause"]
-    resumed = MlflowClient(cfg.tracking.uri).get_metric_history(run_id, "resumed_from_step")
-    assert sorted(m.value for m in resumed) == [0, 10]
-    assert sorted(metric_by_step(cfg, run_id, "loss")) == list(range(1, 21))
-
-
 @pytest.mark.parametrize(
-    "faults",
+    ("faults", "resumed_from"),
     [
-        "[{kind: kill, step: 17, rank: 1}]",
-        "[{kind: raise, step: 11, rank: 0}, {kind: kill, step: 23, rank: 1}]",
+        ("[{kind: kill, step: 17, rank: 1}]", [0, 15]),
+        ("[{kind: raise, step: 11, rank: 0}, {kind: kill, step: 23, rank: 1}]", [0, 10, 20]),
     ],
     ids=["one-failure", "two-failures"],
 )
-def test_interrupted_run_is_bitwise_identical(tmp_path, dataset, reference, faults):
+def test_interrupted_run_is_bitwise_identical(tmp_path, dataset, reference, faults, resumed_from):
     ref_cfg, ref_run, ref_state = reference
     cfg = make_config(tmp_path, dataset, "train.max_steps=30", "data.audit=true", f"faults={faults}")
     run_id = run(cfg)
+    # restarted from the last committed checkpoint before each failure (interval 5)
+    resumed = MlflowClient(cfg.tracking.uri).get_metric_history(run_id, "resumed_from_step")
+    assert sorted(m.value for m in resumed) == resumed_from
+    assert "rank 1" in MlflowClient(cfg.tracking.uri).get_run(run_id).data.tags["last_failure_cause"]
+    assert sorted(metric_by_step(cfg, run_id, "loss")) == list(range(1, 31))
     assert_same_state(final_state(cfg, 30), ref_state)
     # exactly-once data: every step consumed the same ids on the same ranks as without failures
     assert read_audit(run_root(cfg)).equals(read_audit(run_root(ref_cfg)))
