@@ -11,8 +11,19 @@ ray start --head --num-cpus=2 --dashboard-host=127.0.0.1 --disable-usage-stats >
 trap 'ray stop >/dev/null 2>&1 || true' EXIT
 for _ in $(seq 1 60); do curl -sf http://127.0.0.1:8265/api/version >/dev/null && break; sleep 1; done
 RUN_NAME="demo-$(date +%Y%m%d-%H%M%S)"  # a new run each time, so the injected failure happens again
-ray job submit --address http://127.0.0.1:8265 -- python "$PWD/jobs/pretrain.py" --config "$PWD/configs/demo.yaml" \
-  "run.name=$RUN_NAME" "data.path=$PWD/data/stdlib" "run.storage_path=$PWD/runs" "tracking.uri=sqlite:///$PWD/mlflow.db" "$@"
+SUBMIT_LOG="$(mktemp)"
+for _ in $(seq 1 30); do  # the dashboard answers before its job agent is up: Ray says "try again later"
+  set +e
+  ray job submit --address http://127.0.0.1:8265 -- python "$PWD/jobs/pretrain.py" --config "$PWD/configs/demo.yaml" \
+    "run.name=$RUN_NAME" "data.path=$PWD/data/stdlib" "run.storage_path=$PWD/runs" "tracking.uri=sqlite:///$PWD/mlflow.db" \
+    "$@" 2>&1 | tee "$SUBMIT_LOG"
+  status=${PIPESTATUS[0]}
+  set -e
+  grep -q "No available agent to submit job" "$SUBMIT_LOG" || break
+  echo "(Ray's job agent is still starting: submitting again in 2 s)"
+  sleep 2
+done
+[ "$status" -eq 0 ] || exit "$status"
 echo
 echo "MLflow UI: .venv/bin/mlflow ui --backend-store-uri sqlite:///$PWD/mlflow.db --host 127.0.0.1 --port 5000"
 echo "           then open http://127.0.0.1:5000 (experiment raytrain-ft, run $RUN_NAME)"
