@@ -120,11 +120,17 @@ class Checkpointer:
 
     def wait_staged(self) -> None:
         """Block until the snapshot copy is finished; call before anything mutates the state."""
-        if self.staging is not None:
-            t0 = time.perf_counter()
-            self.staging.result()
+        t0 = time.perf_counter()
+        if self._finish_staging():
             self._stalled(t0)
-            self.staging = None
+
+    def _finish_staging(self) -> bool:
+        """Wait for the snapshot copy, if one is in progress; True if there was one."""
+        if self.staging is None:
+            return False
+        self.staging.result()
+        self.staging = None
+        return True
 
     def _stalled(self, since: float) -> None:
         blocked = time.perf_counter() - since
@@ -144,9 +150,7 @@ class Checkpointer:
         if self.pending is None:
             return None
         t0 = time.perf_counter()
-        if self.staging is not None:
-            self.staging.result()
-            self.staging = None
+        self._finish_staging()
         self.pending[2].result()
         dist.barrier(group=self.control_group)
         self._stalled(t0)  # all of it: training waits here (final save, settle before a fault or alert)

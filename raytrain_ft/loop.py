@@ -223,10 +223,9 @@ class Trainer:
             return CheckpointSchedule(c.interval_steps)
         mtbf = torch.zeros(1, dtype=torch.float64)
         if self.rank == 0:
-            now = time.time()
             f = self.cfg.failure
             mtbf[0], source = planning_mtbf_s(
-                f.mtbf_hours_per_gpu, self.world_size, failure_times, self.ledger.run_start, now
+                f.mtbf_hours_per_gpu, self.world_size, failure_times, self.ledger.run_start, time.time()
             )
             self.logger.tags({"mtbf_source": source})
         dist.broadcast(mtbf, src=0, group=self.group)
