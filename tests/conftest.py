@@ -82,10 +82,20 @@ def final_state(cfg, step: int) -> dict[str, torch.Tensor]:
     return {**load_model_state_dict(path), **{f"optim.{k}": v for k, v in load_tensors(path, "optim").items()}}
 
 
-def assert_same_state(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys() and len(a) > 20
+def assert_tensors_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Bitwise equality of two non-empty tensor dicts with the same key set (an empty or partial
+    dict never passes, unlike `all(torch.equal(a[k], b[k]) for k in a)`)."""
+    assert a, "no tensors to compare"
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())[:5]
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Two `final_state`s: model AND optimizer tensors present and bitwise equal."""
+    assert any(k.startswith("optim.") for k in a), "no optimizer state"
+    assert any(not k.startswith("optim.") for k in a), "no model weights"
+    assert_tensors_equal(a, b)
 
 
 @pytest.fixture(scope="session")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import random
-import time
+import threading
 
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
+from conftest import assert_tensors_equal
 from raytrain_ft.checkpoint import Checkpointer, _SlowWriter, load_model_state_dict, step_path
 from raytrain_ft.config import TrainSection
 from raytrain_ft.loop import lr_schedule
@@ -49,7 +51,15 @@ def test_scheduler_state_round_trips_exactly(tmp_path):
 
 
 def test_async_snapshot_is_not_torn_by_later_updates(tmp_path, process_group, monkeypatch):
-    monkeypatch.setattr(_SlowWriter, "delay_s", 1.0)
+    # the writer blocks until the test releases it: the update below lands while the write is in
+    # flight by construction (an event, not a sleep that a loaded machine can outrun)
+    release = threading.Event()
+
+    def gated_write(self, plan, planner):
+        release.wait(timeout=120)
+        return FsspecWriter.write_data(self, plan, planner)
+
+    monkeypatch.setattr(_SlowWriter, "write_data", gated_write)
     model = torch.nn.Linear(64, 64)
     state = TrainState(rank=0)
     state.add("model", ModelState(model))
@@ -58,12 +68,11 @@ def test_async_snapshot_is_not_torn_by_later_updates(tmp_path, process_group, mo
     ckpt = Checkpointer(str(tmp_path), lambda step, path: committed.append(step))
     ckpt.save(7, state, slow_writer=True)
     ckpt.wait_staged()
-    with torch.no_grad():  # an optimizer step right after the snapshot, while the write is slowed
+    with torch.no_grad():  # an optimizer step right after the snapshot, while the write is held
         for p in model.parameters():
             p.add_(1.0)
     assert not ckpt.pending[2].done()
-    time.sleep(0.1)
+    release.set()
     assert ckpt.wait() == 7 and committed == [7]
-    saved = load_model_state_dict(step_path(str(tmp_path), 7))
-    assert all(torch.equal(saved[k], expected[k]) for k in expected)
+    assert_tensors_equal(load_model_state_dict(step_path(str(tmp_path), 7)), expected)
     assert not torch.equal(model.weight, expected["weight"])
