@@ -209,6 +209,7 @@ class Trainer:
             "attempt_start", resumed_from=resumed_from or 0, world_size=self.world_size, init_started_at=init_started_at
         )
         events = self.logger.events()
+        self.logger.timeline.recover(resumed_from or 0, [e["time"] for e in events if e["kind"] == "attempt_start"])
         if not ledger_loaded:
             self.ledger.start(self.logger.run_start())
         if not self.done:  # a finished run's account is closed
@@ -234,6 +235,8 @@ class Trainer:
     def _commit(self, step: int, path: str) -> None:
         self.audit.flush()
         self.session.commit(step, path, {"step": step})
+        if self.logger:
+            self.logger.timeline.committed(step)
         if self.schedule.auto:  # every rank plans with the slowest rank's figures
             cp = self.checkpointer
             measured = torch.tensor([cp.last_cost_s, cp.last_duration_s, self.watchdog.median_step_s])
@@ -247,7 +250,7 @@ class Trainer:
 
     def finish(self) -> None:
         """After the last step: wait for the final checkpoint; rank 0 logs the goodput summary and plot."""
-        self.checkpointer.wait()
+        self.settle()
         if self.logger and not self.done:
             self.ledger.add("checkpoint_stall", time.time())
             self.logger.goodput(self.progress.step, self.ledger.summary(time.time()), final=True)
@@ -304,7 +307,7 @@ class Trainer:
         if not self.logger:
             return
         tokens_per_s = self.plan.global_batch_size * self.manifest.seq_len / step_time
-        self.logger.metrics(
+        self.logger.timeline.record(
             step,
             {
                 "loss": loss,
@@ -394,6 +397,8 @@ class Trainer:
         """Finish the in-flight save and wait until the runtime registered every commit."""
         self.checkpointer.wait()
         self.session.flush()
+        if self.logger:
+            self.logger.timeline.registered()
 
     def rollback(self, step: int) -> None:
         """Persistent spikes: reload the last checkpoint before the streak and skip a data window."""
@@ -414,6 +419,8 @@ class Trainer:
         finally:
             self.state.add(KEY_ROLLBACKS, keep)
         self.audit.discard_after(self.progress.step)
+        if self.logger:
+            self.logger.timeline.discard_after(self.progress.step)
         window = self.cfg.guards.spike.skip_window_steps
         skipped = self.window_sample_ids(window)
         for _ in range(window):

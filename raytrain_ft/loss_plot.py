@@ -1,7 +1,7 @@
 """The loss curve with the run's failures, rollbacks and skipped steps marked (MLflow image `loss.png`).
 
 Rank 0 re-renders it at every committed checkpoint and at the end (`RunLogger.refresh_loss_plot`),
-from MLflow's metric history of `loss` and the run's events. Uses matplotlib's object API
+from MLflow's metric histories of `loss` and `discarded/loss` and the run's events. Uses matplotlib's object API
 (`Figure`, Agg), not `pyplot`, so it is safe in a background thread.
 """
 
@@ -14,37 +14,35 @@ from raytrain_ft.recovery import failures
 LOSS_PLOT = "loss.png"
 
 
-def loss_figure(history: list[tuple[int, float]], events: list[dict]) -> Figure:
+def loss_figure(kept: list[tuple[int, float]], discarded: list[tuple[int, float]], events: list[dict]) -> Figure:
     """Loss against step, with markers.
 
     Args:
-        history: (step, loss) pairs in logging order. A step logged again after a restart or a
-            rollback keeps its latest value on the curve; the discarded values are drawn faded.
+        kept: (step, loss) pairs of the kept timeline (`loss`, one per step), drawn as the curve.
+        discarded: (step, loss) pairs a restart or rollback discarded (`discarded/loss`, see
+            `raytrain_ft.timeline`), drawn as grey dots.
         events: the run's events (`RunLogger.events()`): a vertical line at each failure's last
             completed step (gid `failure`) and each rollback's step (gid `rollback`), a cross at
             each skipped step (gid `skipped_step`).
     """
-    kept: dict[int, float] = {}
-    discarded: list[tuple[int, float]] = []
-    for step, loss in history:
-        if step in kept:
-            discarded.append((step, kept[step]))
-        kept[step] = loss
+    curve = dict(kept)
     fig = Figure(figsize=(9, 4.5), layout="constrained")
     ax = fig.add_subplot()
-    steps = sorted(kept)
-    ax.plot(steps, [kept[s] for s in steps], color="tab:blue", linewidth=1.2, label="loss", gid="loss")
+    steps = sorted(curve)
+    ax.plot(steps, [curve[s] for s in steps], color="tab:blue", linewidth=1.2, label="loss", gid="loss")
     if discarded:
-        ax.scatter(*zip(*discarded, strict=True), s=6, color="0.7", label="discarded by a restart or rollback")
+        ax.scatter(
+            *zip(*discarded, strict=True), s=6, color="0.7", label="discarded by a restart or rollback", gid="discarded"
+        )
     for i, (_, f) in enumerate(failures(events)):
         ax.axvline(f["last_step"], color="tab:red", linestyle="--", gid="failure", label="failure" if i == 0 else None)
     rollbacks = [e["at_step"] for e in events if e["kind"] == "rollback"]
     for i, step in enumerate(rollbacks):
         ax.axvline(step, color="tab:orange", linestyle=":", gid="rollback", label="rollback" if i == 0 else None)
-    skipped = [e["step"] for e in events if e["kind"] == "skipped_step" and e["step"] in kept]
+    skipped = [e["step"] for e in events if e["kind"] == "skipped_step" and e["step"] in curve]
     if skipped:
         ax.scatter(
-            skipped, [kept[s] for s in skipped], marker="x", color="tab:red", gid="skipped_step", label="skipped"
+            skipped, [curve[s] for s in skipped], marker="x", color="tab:red", gid="skipped_step", label="skipped"
         )
     ax.set(xlabel="step", ylabel="loss (mean over ranks)", title="Training loss")
     ax.legend(loc="upper right", fontsize="small")

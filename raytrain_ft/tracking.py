@@ -1,7 +1,8 @@
 """MLflow tracking: one MLflow run per training run, across restarts and resubmissions.
 
 The driver creates the run (or reuses the id stored in `<run folder>/mlflow_run_id`) and logs the
-config as params; rank 0 logs step metrics with `MlflowClient.log_batch` (a worker must not call
+config as params; rank 0 logs step metrics with `MlflowClient.log_batch`, in the background
+(`raytrain_ft.timeline`: one value per step on the kept timeline; a worker must not call
 `mlflow.start_run`, whose exit would mark the run finished); the Ray Train controller callback
 records failures; the driver sets the final status. Default store: `sqlite:///<cwd>/mlflow.db`
 (MLflow 3 refuses the plain file store); view it with
@@ -24,6 +25,7 @@ from mlflow.tracking import MlflowClient
 
 from raytrain_ft import recovery
 from raytrain_ft.errors import UserError
+from raytrain_ft.timeline import DISCARDED, StepTimeline
 
 RUN_ID_FILE = "mlflow_run_id"
 EVENTS_DIR = "events"
@@ -85,6 +87,7 @@ class RunLogger:
 
     def __init__(self, uri: str, run_id: str):
         self.client, self.run_id = MlflowClient(uri), run_id
+        self.timeline = StepTimeline(self.client, run_id)  # rank 0's per-step metrics
         self._plotter: ThreadPoolExecutor | None = None
         self._plot: Future | None = None
         self._plotted = -PLOT_MIN_PERIOD_S
@@ -93,13 +96,10 @@ class RunLogger:
         """When the MLflow run was created (first submission), unix seconds."""
         return self.client.get_run(self.run_id).info.start_time / 1000.0
 
-    def metrics(self, step: int, values: dict[str, float], current: dict[str, float] | None = None) -> None:
-        """Log `values` at `step`; `current` values at step 0, where MLflow's "latest" is the newest
-        one (otherwise "latest" is the highest step, wrong after a resume re-runs steps)."""
+    def metrics(self, step: int, values: dict[str, float]) -> None:
+        """Log `values` at `step` now (per-step training metrics go through `timeline` instead)."""
         ts = int(time.time() * 1000)
-        batch = [Metric(k, float(v), ts, step) for k, v in values.items()]
-        batch += [Metric(k, float(v), ts, 0) for k, v in (current or {}).items()]
-        self.client.log_batch(self.run_id, metrics=batch)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), ts, step) for k, v in values.items()])
 
     def tags(self, values: dict[str, str]) -> None:
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)[:5000]) for k, v in values.items()])
@@ -160,8 +160,8 @@ class RunLogger:
         from raytrain_ft.loss_plot import LOSS_PLOT, loss_figure
 
         try:
-            history = sorted(self.client.get_metric_history(self.run_id, "loss"), key=lambda m: m.timestamp)
-            fig = loss_figure([(m.step, m.value) for m in history], self.events())
+            kept, discarded = (self.client.get_metric_history(self.run_id, k) for k in ("loss", DISCARDED + "loss"))
+            fig = loss_figure([(m.step, m.value) for m in kept], [(m.step, m.value) for m in discarded], self.events())
             self.client.log_figure(self.run_id, fig, LOSS_PLOT)
         except Exception as e:  # a plot is not worth a failed training run
             log.warning("could not refresh %s: %s", LOSS_PLOT, e)

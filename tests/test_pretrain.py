@@ -24,31 +24,41 @@ def test_an_uninterrupted_run_completes_and_loss_falls(reference):
     assert MlflowClient(cfg.tracking.uri).get_run(run_id).info.status == "FINISHED"
 
 
+STEP_METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "epoch", "checkpoint_stall_s")
+
+
 @pytest.mark.parametrize(
-    ("faults", "resumed_from"),
-    [
-        ("[{kind: kill, step: 17, rank: 1}]", [0, 15]),
-        ("[{kind: raise, step: 11, rank: 0}, {kind: kill, step: 23, rank: 1}]", [0, 10, 20]),
+    ("overrides", "resumed_from", "discarded"),
+    [  # the demo's shape: a checkpoint every 10 steps, rank 1 killed before step 25
+        (["faults=[{kind: kill, step: 25, rank: 1}]", "checkpoint.interval_steps=10"], [0, 20], [21, 22, 23, 24]),
+        (["faults=[{kind: raise, step: 11, rank: 0}, {kind: kill, step: 23, rank: 1}]"], [0, 10, 20], [21, 22]),
     ],
     ids=["one-failure", "two-failures"],
 )
-def test_interrupted_run_is_bitwise_identical(tmp_path, dataset, reference, faults, resumed_from):
+def test_interrupted_run_is_bitwise_identical(tmp_path, dataset, reference, overrides, resumed_from, discarded):
     ref_cfg, ref_run, ref_state = reference
-    cfg = make_config(tmp_path, dataset, "train.max_steps=30", "data.audit=true", f"faults={faults}")
+    cfg = make_config(tmp_path, dataset, "train.max_steps=30", "data.audit=true", *overrides)
     run_id = run(cfg)
-    # restarted from the last committed checkpoint before each failure (interval 5)
-    resumed = MlflowClient(cfg.tracking.uri).get_metric_history(run_id, "resumed_from_step")
+    client = MlflowClient(cfg.tracking.uri)
+    # restarted from the last committed checkpoint before each failure
+    resumed = client.get_metric_history(run_id, "resumed_from_step")
     assert sorted(m.value for m in resumed) == resumed_from
-    assert "rank 1" in MlflowClient(cfg.tracking.uri).get_run(run_id).data.tags["last_failure_cause"]
-    assert sorted(metric_by_step(cfg, run_id, "loss")) == list(range(1, 31))
+    assert "rank 1" in client.get_run(run_id).data.tags["last_failure_cause"]
     assert_same_state(final_state(cfg, 30), ref_state)
     # exactly-once data: every step consumed the same ids on the same ranks as without failures
     assert read_audit(run_root(cfg)).equals(read_audit(run_root(ref_cfg)))
     assert read_audit(run_root(cfg)).num_rows == 30 * 8
-    ref_loss, loss = metric_by_step(ref_cfg, ref_run, "loss"), metric_by_step(cfg, run_id, "loss")
-    assert [loss[s] for s in range(16, 31)] == [ref_loss[s] for s in range(16, 31)]
-    assert metric_by_step(cfg, run_id, "lr")[30] == metric_by_step(ref_cfg, ref_run, "lr")[30]
-    assert MlflowClient(cfg.tracking.uri).get_run(run_id).data.metrics["restarts"] == faults.count("kind")
+    # the kept timeline: one value per step, the uninterrupted run's; the re-run steps' first values apart
+    for key in STEP_METRICS:
+        steps = [m.step for m in client.get_metric_history(run_id, key)]
+        assert sorted(steps) == list(range(1, 31)), key
+        assert sorted(m.step for m in client.get_metric_history(run_id, f"discarded/{key}")) == discarded, key
+    for key in ("loss", "lr", "grad_norm", "epoch"):
+        assert metric_by_step(cfg, run_id, key) == metric_by_step(ref_cfg, ref_run, key), key
+    assert sorted(m.step for m in client.get_metric_history(run_id, "live/loss")) == sorted(
+        list(range(1, 31)) + discarded
+    )
+    assert client.get_run(run_id).data.metrics["restarts"] == len(resumed_from) - 1
 
 
 def test_kill_during_save_never_loads_the_partial_folder(tmp_path, dataset, reference):

@@ -60,9 +60,13 @@ def test_two_failures_make_two_recovery_rows_and_the_history_cli_prints_them(tmp
 
     # the loss plot marks both failures at their last completed step
     assert "loss.png" in {a.path for a in client.list_artifacts(run_id)}
-    history = sorted(client.get_metric_history(run_id, "loss"), key=lambda m: m.timestamp)
-    fig = loss_figure([(m.step, m.value) for m in history], RunLogger(cfg.tracking.uri, run_id).events())
+    kept, discarded = (
+        [(m.step, m.value) for m in client.get_metric_history(run_id, k)] for k in ("loss", "discarded/loss")
+    )
+    fig = loss_figure(kept, discarded, RunLogger(cfg.tracking.uri, run_id).events())
     assert sorted(line.get_xdata()[0] for line in fig.axes[0].lines if line.get_gid() == "failure") == [11, 22]
+    grey = next(c for c in fig.axes[0].collections if c.get_gid() == "discarded")  # the re-run steps' first values
+    assert sorted(x for x, _ in grey.get_offsets()) == [11, 21, 22]
 
     cli = subprocess.run(
         [sys.executable, "-m", "raytrain_ft.cli", "history", "rec", "--tracking-uri", cfg.tracking.uri],

@@ -1,0 +1,149 @@
+"""Per-step metrics in MLflow: live at once, kept once committed, discarded apart.
+
+MLflow cannot delete a logged value, and a restart or a rollback re-runs the steps after the
+checkpoint it resumes from. So rank 0 logs each step's metrics under three prefixes:
+
+- `live/<key>`: every value as it is computed, at once (the live chart; a re-run step appears
+  twice here);
+- `<key>` (the kept timeline): exactly one value per step, logged once a committed checkpoint
+  covers the step. A commit is registered by the runtime asynchronously, so the values up to the
+  *previous* commit are published at each commit (its report could not return before Ray took the
+  previous one), and all of them once the runtime confirms every commit (`settle`, the end of the
+  run). Values of a crashed attempt that were not published yet are published by the next
+  attempt from `live/<key>`;
+- `discarded/<key>`: values that a restart or rollback threw away (steps after the checkpoint
+  resumed from), from `live/<key>` after a crash (what reached MLflow before it) or from memory
+  after a rollback.
+
+All logging happens on one background thread in batches (`MAX_BATCH` values per request), so a
+slow tracking server never blocks a training step; `drain` waits for it. Known gap: when a corrupt
+checkpoint makes a restart resume from an older one, the steps between the two are already on the
+kept timeline and get a second value there.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from mlflow.entities import Metric
+from mlflow.tracking import MlflowClient
+
+LIVE, DISCARDED = "live/", "discarded/"
+MAX_BATCH = 1000  # MLflow's limit on metrics per log_batch request
+log = logging.getLogger(__name__)
+
+
+class StepTimeline:
+    """Rank 0's per-step metrics (see the module docstring). Not thread-safe: call from the loop."""
+
+    def __init__(self, client: MlflowClient, run_id: str):
+        self.client, self.run_id = client, run_id
+        self.pending: list[tuple[int, int, dict[str, float]]] = []  # (step, time ms, values), not published
+        self.covered = 0  # the newest committed step (registration maybe not confirmed yet)
+        self._queue: queue.Queue[list[Metric] | Callable[[], None]] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def record(self, step: int, values: dict[str, float], current: dict[str, float]) -> None:
+        """One step's metrics (`live/` now, the kept timeline later); `current` values are logged
+        at step 0, where MLflow's "latest" is the newest value (the controller reads `last_step`)."""
+        ts = int(time.time() * 1000)
+        self.pending.append((step, ts, values))
+        batch = [Metric(LIVE + k, float(v), ts, step) for k, v in values.items()]
+        self._send(batch + [Metric(k, float(v), ts, 0) for k, v in current.items()])
+
+    def committed(self, step: int) -> None:
+        """A checkpoint at `step` was committed: publish the steps of the previous commit."""
+        previous, self.covered = self.covered, step
+        self._publish(previous)
+
+    def registered(self) -> None:
+        """The runtime confirmed every commit: publish every committed step and wait until sent."""
+        self._publish(self.covered)
+        self.drain()
+
+    def discard_after(self, step: int) -> None:
+        """A rollback to the checkpoint at `step`: the later recorded steps go to `discarded/`."""
+        gone = [p for p in self.pending if p[0] > step]
+        self.pending = [p for p in self.pending if p[0] <= step]
+        self._send([Metric(DISCARDED + k, float(v), ts, s) for s, ts, vals in gone for k, v in vals.items()])
+
+    def recover(self, resumed_from: int, attempt_starts: list[float]) -> None:
+        """At the start of an attempt, in the background: sort the previous attempt's `live/` values
+        (logged between the last two `attempt_starts`, unix seconds) into the kept timeline (steps up
+        to `resumed_from` not published yet) and `discarded/` (later steps)."""
+        if len(attempt_starts) < 2:
+            return
+        since, until = int(attempt_starts[-2] * 1000), int(attempt_starts[-1] * 1000)
+        self._queue.put(lambda: self._recover(resumed_from, since, until))
+        self._start()
+
+    def _recover(self, resumed_from: int, since: int, until: int) -> None:
+        live_keys = [k for k in self.client.get_run(self.run_id).data.metrics if k.startswith(LIVE)]
+        batch = []
+        for live_key in live_keys:
+            key = live_key[len(LIVE) :]
+            kept = {m.step for m in self.client.get_metric_history(self.run_id, key)}
+            newest: dict[int, Metric] = {}  # a step re-run after a rollback: its newest value is kept
+            for m in sorted(self.client.get_metric_history(self.run_id, live_key), key=lambda m: m.timestamp):
+                if not since <= m.timestamp < until:
+                    continue
+                if m.step > resumed_from:
+                    batch.append(Metric(DISCARDED + key, m.value, m.timestamp, m.step))
+                elif m.step not in kept:
+                    newest[m.step] = Metric(key, m.value, m.timestamp, m.step)
+            batch += newest.values()
+        self._log(batch)
+
+    def drain(self) -> None:
+        """Block until everything handed over so far has been logged (or failed with a warning)."""
+        if self._thread is not None:
+            self._queue.join()
+
+    def _publish(self, upto: int) -> None:
+        ready = [p for p in self.pending if p[0] <= upto]
+        self.pending = [p for p in self.pending if p[0] > upto]
+        self._send([Metric(k, float(v), ts, s) for s, ts, vals in ready for k, v in vals.items()])
+
+    def _send(self, batch: list[Metric]) -> None:
+        if batch:
+            self._queue.put(batch)
+            self._start()
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="mlflow-steps", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            items = [self._queue.get()]
+            while not self._queue.empty():  # a slow server: everything queued meanwhile in one go
+                items.append(self._queue.get())
+            batch: list[Metric] = []
+            for item in items:
+                if callable(item):
+                    self._log(batch)
+                    batch = []
+                    self._call(item)
+                else:
+                    batch += item
+            self._log(batch)
+            for _ in items:
+                self._queue.task_done()
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as e:  # tracking is not worth a failed training run
+            log.warning("could not sort the previous attempt's metrics: %s", e)
+
+    def _log(self, batch: list[Metric]) -> None:
+        for i in range(0, len(batch), MAX_BATCH):
+            try:
+                self.client.log_batch(self.run_id, metrics=batch[i : i + MAX_BATCH])
+            except Exception as e:
+                log.warning("could not log %d metrics to MLflow: %s", len(batch[i : i + MAX_BATCH]), e)
