@@ -7,13 +7,14 @@ with explicit small resources. Exit status 2 with a one-line message on a user e
 import argparse
 import logging
 import os
+import signal
 import sys
 
 import ray
 
 from raytrain_ft.config import load_config
 from raytrain_ft.errors import UserError
-from raytrain_ft.launch.trainer import WORKER_ENV, run
+from raytrain_ft.launch.trainer import WORKER_ENV, Terminated, run
 
 
 def init_ray(num_cpus: int) -> None:
@@ -38,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Terminated as e:
+        print(f"run {cfg.run.name} {e}; its MLflow run is KILLED; submit the job again to resume it", file=sys.stderr)
+        return 128 + signal.SIGTERM
     print(f"run {cfg.run.name} finished; MLflow run id {run_id}")
     return 0
 

@@ -1,7 +1,7 @@
 """The `raytrain-ft` command line. One subcommand per task; add one with a `_add_<name>` function below.
 
     raytrain-ft plan-interval --mtbf-hours 10000 --gpus 1000 --checkpoint-seconds 300
-    raytrain-ft history RUN_NAME_OR_ID [--tracking-uri sqlite:///mlflow.db]
+    raytrain-ft history RUN_NAME_OR_ID [--tracking-uri sqlite:///mlflow.db]   (or MLFLOW_TRACKING_URI)
 
 Errors in the input print one `error: ...` line on stderr and exit with status 2.
 """
@@ -130,7 +130,11 @@ def _goodput_table(metrics: dict[str, float]):
 def _add_history(subparsers) -> None:
     p = subparsers.add_parser("history", help="a run's recovery history, guard events and goodput, from MLflow")
     p.add_argument("run", help="MLflow run name (run.name) or run id")
-    p.add_argument("--tracking-uri", default="", help="MLflow tracking URI (default sqlite:///<cwd>/mlflow.db)")
+    p.add_argument(
+        "--tracking-uri",
+        default="",
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db)",
+    )
     p.set_defaults(func=_history)
 
 

@@ -81,7 +81,7 @@ class FailureSection:
 
 @dataclass
 class TrackingSection:
-    uri: str = ""  # MLflow tracking URI; "" = sqlite:///<cwd>/mlflow.db
+    uri: str = ""  # MLflow tracking URI; "" = $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db (see README)
     experiment: str = "raytrain-ft"  # MLflow experiment name
 
 

@@ -1,7 +1,8 @@
 """The run's recovery history, derived from the events every component logs to MLflow.
 
 Events (artifacts `events/*.json`, see `tracking.RunLogger.event`): `failure` (written by the Ray
-Train controller callback: time, cause per rank, last completed step, step time and world size at
+Train controller callback: time, short cause per rank (root cause first, see `cause_text`) and
+Ray's full text per rank, last completed step, step time and world size at
 that moment), `attempt_start` (rank 0 after restore: step resumed from, world size) and
 `first_step` (rank 0 after the first step of an attempt). `recovery_rows` joins them into one row
 per failure: wall time, cause, last completed step, step resumed from, lost steps, lost compute
@@ -17,6 +18,25 @@ from datetime import datetime, timezone
 GUARD_EVENT_KINDS = ("skipped_step", "rollback", "rank_spread", "replica_mismatch", "hang", "corrupt_checkpoint")
 RECOVERY_TABLE = "recovery_history.json"
 GUARD_TABLE = "guard_events.json"
+
+
+KILLED = "killed (SIGKILL, OOM killer or os._exit: the process died without an exception)"
+CONSEQUENCE = "lost its connection to a failed peer (a consequence)"
+
+
+def root_first(causes: dict[str, str]) -> list[tuple[str, str]]:
+    """(rank, cause) pairs of one failure, root causes first (peers' `CONSEQUENCE`s last), then by rank."""
+    return sorted(causes.items(), key=lambda rc: (rc[1] == CONSEQUENCE, int(rc[0])))
+
+
+def cause_text(causes: dict[str, str]) -> str:
+    """`rank R: cause; ...`, root cause first; peers that only lost their connection are counted, not listed."""
+    pairs = root_first(causes)
+    roots = [f"rank {r}: {c}" for r, c in pairs if c != CONSEQUENCE]
+    peers = [r for r, c in pairs if c == CONSEQUENCE]
+    if peers:
+        roots.append(f"rank{'s' if len(peers) > 1 else ''} {', '.join(peers)}: {CONSEQUENCE}")
+    return "; ".join(roots)
 
 
 def _iso(t: float) -> str:
@@ -51,7 +71,7 @@ def recovery_rows(events: list[dict]) -> list[dict]:
         rows.append(
             {
                 "failed_at": _iso(e["time"]),
-                "cause": "; ".join(f"rank {r}: {c}" for r, c in sorted(e["causes"].items())),
+                "cause": cause_text(e["causes"]),
                 "last_step": e["last_step"],
                 "resumed_from": resumed,
                 "lost_steps": lost,

@@ -34,9 +34,16 @@ PLOT_MIN_PERIOD_S = 30.0
 log = logging.getLogger(__name__)
 
 
-def resolve_uri(uri: str) -> str:
-    """The tracking URI to use everywhere: `uri`, or an absolute sqlite path in the current folder."""
-    return uri or f"sqlite:///{os.path.abspath('mlflow.db')}"
+# MLflow's artifact download progress bars would print at every attempt start (events) and in
+# `raytrain-ft history`; every process that logs imports this module.
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}  # MLflow 3 UI: training, not GenAI
+
+
+def resolve_uri(uri: str, default_dir: str = "") -> str:
+    """The tracking URI to use everywhere: `uri`, else `MLFLOW_TRACKING_URI` (MLflow's standard
+    variable), else `sqlite:///<default_dir or cwd>/mlflow.db` (absolute: Ray workers run in other folders)."""
+    return uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath(default_dir or '.')}/mlflow.db"
 
 
 def start_or_resume_run(uri: str, experiment: str, run_root: str, run_name: str, params: dict) -> str:
@@ -55,7 +62,7 @@ def start_or_resume_run(uri: str, experiment: str, run_root: str, run_name: str,
             ) from None
         return run_id
     exp = client.get_experiment_by_name(experiment)
-    exp_id = exp.experiment_id if exp else client.create_experiment(experiment, _artifact_root(uri))
+    exp_id = exp.experiment_id if exp else client.create_experiment(experiment, _artifact_root(uri), EXPERIMENT_KIND)
     run_id = client.create_run(exp_id, run_name=run_name).info.run_id
     client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
     fs.makedirs(base, exist_ok=True)

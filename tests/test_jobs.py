@@ -114,28 +114,37 @@ def test_ray_job_submit_to_a_started_head(tmp_path, dataset):
     assert os.path.exists(tmp_path / "runs" / "submitted" / "step-6" / ".metadata")
 
 
-def test_resubmission_after_the_driver_died_resumes_the_same_run(tmp_path, dataset):
+def test_a_stopped_run_is_killed_in_mlflow_and_a_resubmission_finishes_it(tmp_path, dataset):
     args = run_args(tmp_path, dataset, "run.name=resub", "train.max_steps=20", "checkpoint.interval_steps=5")
+    args.append("faults=[{kind: slow, step: 11, steps: 10, seconds: 0.5, rank: -1}]")  # SIGTERM comes mid-run
     proc = subprocess.Popen(
         [sys.executable, PRETRAIN, "--config", TINY, *args],
         env=ENV,
         start_new_session=True,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     snapshot = tmp_path / "runs" / "resub" / "checkpoint_manager_snapshot.json"
     deadline = time.time() + 240
     while time.time() < deadline and not (snapshot.exists() and '"step-10"' in snapshot.read_text()):
         time.sleep(0.5)
-    kill_session(proc.pid)  # the whole job dies: driver, its local Ray instance, workers
-    proc.wait()
+    proc.send_signal(signal.SIGTERM)  # what `ray job stop` and a preempted head send the driver
+    stderr = proc.communicate(timeout=120)[1]
+    kill_session(proc.pid)  # anything of the job's local Ray instance left behind
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1].startswith("run resub stopped by SIGTERM; its MLflow run is KILLED")
     assert '"step-10"' in snapshot.read_text()
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    [stopped] = client.search_runs([client.get_experiment_by_name("raytrain-ft").experiment_id])
+    assert stopped.info.status == "KILLED" and stopped.info.end_time is not None
 
     r = pretrain(*args)
     assert r.returncode == 0, r.stderr[-3000:]
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("raytrain-ft").experiment_id])
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     resumed = [m.value for m in client.get_metric_history(runs[0].info.run_id, "resumed_from_step")]
     assert resumed[0] == 0 and resumed[-1] >= 10
-    assert sorted({m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")}) == list(range(1, 21))
+    assert runs[0].info.run_id == stopped.info.run_id
+    # one value per step, the stopped attempt's unpublished ones included (recovered from live/loss)
+    assert sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")) == list(range(1, 21))

@@ -1,4 +1,4 @@
-"""Recovery history in MLflow, the `history` CLI, and hangs turned into restarts (real Ray, 2 workers)."""
+"""Recovery history in a real `mlflow server`, the `history` CLI, and hangs turned into restarts (real Ray)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,18 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import make_config, metric_by_step
-from raytrain_ft.launch.trainer import run
+from raytrain_ft.launch.tracking_server import mlflow_server
+from raytrain_ft.launch.trainer import RunFailed, run
 from raytrain_ft.loss_plot import loss_figure
-from raytrain_ft.tracking import RunLogger
+from raytrain_ft.recovery import KILLED, recovery_rows
+from raytrain_ft.tracking import RUN_ID_FILE, RunLogger
 
 pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+def run_id_of(cfg) -> str:
+    with open(os.path.join(cfg.run.storage_path, cfg.run.name, RUN_ID_FILE)) as f:
+        return f.read().strip()
 
 
 def table(cfg, run_id: str, name: str) -> list[dict]:
@@ -26,12 +33,29 @@ def table(cfg, run_id: str, name: str) -> list[dict]:
     return [dict(zip(t["columns"], row, strict=True)) for row in t["data"]]
 
 
-def test_two_failures_make_two_recovery_rows_and_the_history_cli_prints_them(tmp_path, dataset):
+@pytest.fixture(scope="module")
+def tracking_server(tmp_path_factory):
+    """A real `mlflow server` process on 127.0.0.1: HTTP, SQLite backend, artifact serving."""
+    folder = tmp_path_factory.mktemp("mlflow-server")
+    with mlflow_server(f"sqlite:///{folder}/mlflow.db", str(folder / "mlartifacts"), "127.0.0.1") as url:
+        yield url
+
+
+def test_two_failures_make_two_recovery_rows_and_the_history_cli_prints_them(
+    tmp_path, dataset, tracking_server, monkeypatch
+):
     faults = "faults=[{kind: kill, step: 12, rank: 1}, {kind: raise, step: 23, rank: 0}]"
     cfg = make_config(tmp_path, dataset, "run.name=rec", "train.max_steps=30", faults)
+    cfg.tracking.uri = ""  # MLflow's own variable names the server, for the job and the CLI
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_server)
     run_id = run(cfg)
-    client = MlflowClient(cfg.tracking.uri)
-    assert len(client.search_runs([client.get_experiment_by_name("raytrain-ft").experiment_id])) == 1
+    cfg.tracking.uri = tracking_server  # for the helpers below
+    client = MlflowClient(tracking_server)
+    experiment = client.get_experiment_by_name("raytrain-ft")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # the UI's training view
+    assert len(client.search_runs([experiment.experiment_id])) == 1
+    # artifacts went through the server's artifact proxy, not to a local path
+    assert client.get_run(run_id).info.artifact_uri.startswith("mlflow-artifacts:/")
     rows = table(cfg, run_id, "recovery_history.json")
     assert [(r["last_step"], r["resumed_from"], r["lost_steps"]) for r in rows] == [(11, 10, 1), (22, 20, 2)]
     assert "rank 1" in rows[0]["cause"] and "InjectedFault" in rows[1]["cause"]
@@ -69,12 +93,13 @@ def test_two_failures_make_two_recovery_rows_and_the_history_cli_prints_them(tmp
     assert sorted(x for x, _ in grey.get_offsets()) == [11, 21, 22]
 
     cli = subprocess.run(
-        [sys.executable, "-m", "raytrain_ft.cli", "history", "rec", "--tracking-uri", cfg.tracking.uri],
+        [sys.executable, "-m", "raytrain_ft.cli", "history", "rec"],  # the URI from MLFLOW_TRACKING_URI
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert cli.returncode == 0, cli.stderr
+    assert "Downloading artifacts" not in cli.stdout + cli.stderr  # no progress bar above the table
     assert "Recovery history" in cli.stdout and "InjectedFault" in cli.stdout
     assert "restarts 2, lost_steps_total 3" in cli.stdout
     assert f"goodput {goodput['goodput']:.3f}" in cli.stdout
@@ -101,3 +126,21 @@ def test_a_hung_rank_dumps_its_stacks_and_the_group_restarts(tmp_path, dataset):
     assert hung[1]["stalled_s"] >= 20
     assert MlflowClient(cfg.tracking.uri).get_run(run_id).data.metrics["badput_hang_s"] > 0
     assert MlflowClient(cfg.tracking.uri).get_run(run_id).info.status == "FINISHED"
+
+
+def test_a_run_out_of_restarts_ends_with_one_line_naming_rank_step_and_cause(tmp_path, dataset):
+    faults = "faults=[{kind: kill, step: 7, rank: 1}, {kind: kill, step: 9, rank: 1}]"
+    cfg = make_config(tmp_path, dataset, "run.name=out", "train.max_steps=12", "failure.max_failures=1", faults)
+    with pytest.raises(RunFailed) as e:
+        run(cfg)
+    line = str(e.value)  # jobs/pretrain.py prints it as its last line: "error: <line>"
+    assert "\n" not in line and len(line) < 300, line
+    assert line.startswith("run out failed after 1/1 restarts: rank 1 after step 8: killed (SIGKILL, OOM killer")
+    assert line.endswith(f"; details: raytrain-ft history out --tracking-uri {cfg.tracking.uri}")
+    # the recovery history says the same, root cause first; Ray's paragraph stays in the event file
+    events = RunLogger(cfg.tracking.uri, run_id_of(cfg)).events()
+    rows = recovery_rows(events)
+    assert [(r["last_step"], r["resumed_from"]) for r in rows] == [(6, 5), (8, None)]
+    assert [r["cause"].split("; ")[0] for r in rows] == ["rank 1: " + KILLED] * 2
+    failure = next(ev for ev in events if ev["kind"] == "failure")
+    assert "worker process has died" in failure["details"]["1"]

@@ -2,18 +2,58 @@
 
 from __future__ import annotations
 
+import re
+
 import fsspec
 from ray.train.v2.api.callback import UserCallback
 
+from raytrain_ft.recovery import CONSEQUENCE, KILLED, cause_text
 from raytrain_ft.tracking import RunLogger
 
 
 def describe(exc: BaseException) -> str:
     """`ExceptionType: first line of the message` of the innermost cause Ray reports."""
-    while getattr(exc, "cause", None) is not None and exc.cause is not exc:
-        exc = exc.cause
+    exc = innermost(exc)
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:500]
+
+
+def innermost(exc: BaseException) -> BaseException:
+    while getattr(exc, "cause", None) is not None and exc.cause is not exc:
+        exc = exc.cause
+    return exc
+
+
+# What Ray reports for a worker process that died without raising (SIGKILL, the OOM killer, os._exit):
+# the raylet sees the connection drop, not the signal or exit status.
+_DIED = re.compile(r"worker process has died|Worker unexpectedly exits")
+_EXIT_CODE = re.compile(r"exit(?:ed|s)? with (?:an )?exit code (-?\d+)", re.I)
+_TIMEOUT = re.compile(r"(?:timed out|timeout)\D{0,40}?(\d+(?:\.\d+)?)\s*(ms|milliseconds|s|seconds)\b", re.I)
+_PEER_LOST = re.compile(
+    r"Connection (?:reset|closed) by peer|Broken pipe|Socket closed|remote process exited|"
+    r"\[[^]]*gloo[^]]*\] (?:Read|Write) error",
+    re.I,
+)
+
+
+def plain_cause(exc: BaseException) -> str:
+    """One short phrase for a rank's failure, for the recovery history and the job's last line.
+
+    "killed (SIGKILL, OOM killer or os._exit: the process died without an exception)",
+    "exited with code N", "collective timed out after N s", `CONSEQUENCE` (this rank lost its
+    connection to a peer that failed first), else "ExceptionType: message" (`describe`).
+    """
+    text = str(innermost(exc))
+    if m := _EXIT_CODE.search(text):
+        return f"exited with code {m.group(1)}"
+    if _DIED.search(text):
+        return KILLED
+    if _PEER_LOST.search(text):
+        return CONSEQUENCE
+    if (m := _TIMEOUT.search(text)) and ("collective" in text.lower() or "gloo" in text or "NCCL" in text):
+        seconds = float(m.group(1)) / (1000 if m.group(2).lower().startswith("m") else 1)
+        return f"collective timed out after {seconds:g} s"
+    return describe(exc)
 
 
 COMMIT_ACK_FILE = "last_commit_ack"
@@ -22,7 +62,8 @@ COMMIT_ACK_FILE = "last_commit_ack"
 class RunRecorder(UserCallback):
     """Runs on the controller.
 
-    On every failure: the cause as a tag and a `failure` event (`raytrain_ft.recovery` turns the
+    On every failure: the short cause per rank (`plain_cause`) as a tag and a `failure` event (with
+    Ray's full text per rank under `details`) (`raytrain_ft.recovery` turns the
     events into the recovery history and the `restarts` metric when the next attempt starts). On every registered
     checkpoint: its path is written to `<run folder>/last_commit_ack`, so a worker can wait until
     Ray has registered a commit (`RaySession.flush`).
@@ -38,11 +79,12 @@ class RunRecorder(UserCallback):
 
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
         logger = RunLogger(self.tracking_uri, self.run_id)
-        causes = {rank: describe(e) for rank, e in sorted(worker_exceptions.items())}
-        logger.tags({"last_failure_cause": "; ".join(f"rank {r}: {c}" for r, c in causes.items())})
+        causes = {str(rank): plain_cause(e) for rank, e in sorted(worker_exceptions.items())}
+        logger.tags({"last_failure_cause": cause_text(causes)})
         logger.event(
             "failure",
-            causes={str(r): c for r, c in causes.items()},
+            causes=causes,
+            details={str(rank): str(e)[:20000] for rank, e in worker_exceptions.items()},  # Ray's full text
             last_step=int(logger.latest("last_step")),
             step_time_s=logger.latest("current_step_time_s"),
             world_size=int(logger.latest("world_size")),

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
+import time
 
 import fsspec
 import ray
@@ -17,9 +20,11 @@ from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.position import check_world_sizes
 from raytrain_ft.errors import CheckpointError, ConfigError, UserError, find_user_error
 from raytrain_ft.launch.callbacks import RunRecorder, describe
+from raytrain_ft.launch.tracking_server import history_uri, lasting_path, tracking_store
 from raytrain_ft.launch.worker import train_func
 from raytrain_ft.loop import check_data_fits, fingerprint
 from raytrain_ft.model import build_model, model_config
+from raytrain_ft.recovery import failures, root_first
 from raytrain_ft.tracking import RunLogger, flatten, resolve_uri, start_or_resume_run
 from raytrain_ft.train_state import RunMeta
 
@@ -41,9 +46,19 @@ class RunFailed(UserError):
     """The run used up `failure.max_failures` restarts."""
 
 
-def absolute(path: str) -> str:
-    """Local paths made absolute (Ray workers run in other folders); URLs unchanged."""
-    return path if "://" in path else os.path.abspath(path)
+class Terminated(BaseException):
+    """SIGTERM reached the driver (`ray job stop`, the head being preempted)."""
+
+
+class _OnSigterm:
+    """SIGTERM handler: remembers the signal and interrupts `fit()`. Raised inside Ray's C code the
+    exception may come out wrapped (e.g. as a SystemError), so the driver checks `signalled`."""
+
+    signalled = False
+
+    def __call__(self, signum: int, frame) -> None:
+        self.signalled = True
+        raise Terminated("stopped by SIGTERM")
 
 
 def preflight(cfg: Config) -> None:
@@ -119,6 +134,32 @@ def check_checkpoint_compatible(cfg: Config, manifest, run_root: str) -> None:
         )
 
 
+MAX_LINE = 300
+
+
+def failure_line(cfg: Config, logger: RunLogger, started: float, fallback: str) -> str:
+    """The job's last line when the run used up `failure.max_failures` (under `MAX_LINE` characters):
+    run name, restarts used, the root-cause rank, its last completed step, the plain cause
+    (`callbacks.plain_cause`), and the command that shows the whole history. `started`: when this
+    submission's `fit()` began (unix seconds; earlier submissions' failures are not counted)."""
+    try:
+        these = [f for _, f in failures(logger.events()) if f["time"] >= started]
+    except Exception:  # the tracking store is unreachable: say what Ray said
+        these = []
+    uri = history_uri(cfg.tracking.uri)
+    history = f"raytrain-ft history {cfg.run.name}" + (f" --tracking-uri {uri}" if uri != resolve_uri("") else "")
+    if these:
+        rank, cause = root_first(these[-1]["causes"])[0]
+        where = f"rank {rank} after step {these[-1]['last_step']}"
+    else:
+        where, cause = "", fallback
+    head = f"run {cfg.run.name} failed after {max(len(these) - 1, 0)}/{cfg.failure.max_failures} restarts: {where}"
+    tail = f"; details: {history}"
+    room = MAX_LINE - 1 - len(head) - len(tail) - 2
+    cause = cause if len(cause) <= room else cause[: max(room - 3, 0)] + "..."
+    return f"{head}{': ' if where else ''}{cause}{tail}"
+
+
 def run(cfg: Config) -> str:
     """Run (or resume) the training run described by `cfg`; return the MLflow run id.
 
@@ -126,10 +167,14 @@ def run(cfg: Config) -> str:
         UserError: a configuration/data/checkpoint problem, or the run failed more than
             `failure.max_failures` times (message names the last cause).
     """
-    cfg.data.path = absolute(cfg.data.path)
-    cfg.run.storage_path = absolute(cfg.run.storage_path)
+    cfg.data.path = lasting_path(cfg.data.path, "data.path")
+    cfg.run.storage_path = lasting_path(cfg.run.storage_path, "run.storage_path")
     preflight(cfg)
-    uri = resolve_uri(cfg.tracking.uri)
+    with tracking_store(cfg.tracking.uri) as uri:
+        return _fit(cfg, uri)
+
+
+def _fit(cfg: Config, uri: str) -> str:
     run_root = os.path.join(cfg.run.storage_path, cfg.run.name)
     run_id = start_or_resume_run(uri, cfg.tracking.experiment, run_root, cfg.run.name, flatten(to_dict(cfg)))
     lo, hi = cfg.worker_range
@@ -153,11 +198,23 @@ def run(cfg: Config) -> str:
         ),
     )
     logger = RunLogger(uri, run_id)
+    started = time.time()
+    main = threading.current_thread() is threading.main_thread()  # signal handlers live in the main thread
+    sigterm = _OnSigterm()
+    previous = signal.signal(signal.SIGTERM, sigterm) if main else None
     try:
         trainer.fit()
-    except Exception as e:  # Ray wraps worker errors (TrainingFailedError / ControllerError)
-        logger.finish("FAILED")
+    except BaseException as e:
+        if sigterm.signalled:  # a terminal status and an end time; a resubmission sets RUNNING again
+            logger.finish("KILLED")
+            raise Terminated("stopped by SIGTERM") from None
+        if not isinstance(e, Exception):
+            raise
+        logger.finish("FAILED")  # Ray wraps worker errors (TrainingFailedError / ControllerError)
         user = find_user_error(e)
-        raise user or RunFailed(f"training run {cfg.run.name} failed: {describe(e)}") from None
+        raise user or RunFailed(failure_line(cfg, logger, started, describe(e))) from None
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
     logger.finish("FINISHED")
     return run_id

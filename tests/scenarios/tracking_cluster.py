@@ -1,0 +1,50 @@
+"""The default tracking store on a 2-node local cluster (`ray.cluster_utils.Cluster`).
+
+Run by tests/test_tracking.py in a subprocess (a Cluster needs a process without another Ray
+instance). Usage: python tracking_cluster.py WORKDIR. With `tracking.uri` empty and no
+`MLFLOW_TRACKING_URI`, `tracking_store` starts `mlflow server`; a task pinned to each node logs a
+run and an artifact through the URI the workers would get. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import ray
+from mlflow.tracking import MlflowClient
+from ray.cluster_utils import Cluster
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raytrain_ft.launch.tracking_server import tracking_store
+
+
+@ray.remote(num_cpus=0.1)
+def probe(uri: str) -> dict:
+    client = MlflowClient(uri)
+    run = client.create_run(client.create_experiment(f"probe-{ray.get_runtime_context().get_node_id()[:8]}"))
+    client.log_text(run.info.run_id, "reached", "probe.txt")
+    return {"node": ray.get_runtime_context().get_node_id(), "artifact_uri": run.info.artifact_uri}
+
+
+def main(workdir: str) -> None:
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, log_to_driver=False)
+    os.chdir(workdir)
+    try:
+        with tracking_store("") as uri:
+            nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+            head = next(n["NodeManagerAddress"] for n in ray.nodes() if "node:__internal_head__" in n["Resources"])
+            pinned = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)) for n in nodes]
+            reached = ray.get([p.remote(uri) for p in pinned], timeout=300)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    print(json.dumps({"uri": uri, "head_address": head, "nodes": nodes, "reached": reached}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,45 @@
+"""A run whose checkpoints outgrow `run.storage_path` (a real 6 MB tmpfs) ends at once, in one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import make_config, step_dirs
+from raytrain_ft.errors import StorageFullError
+from raytrain_ft.launch.trainer import run
+from raytrain_ft.tracking import RUN_ID_FILE, RunLogger
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 6 MB tmpfs: two 2.2 MB tiny checkpoints fit, a third does not."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("needs permission to mount a small tmpfs")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_ends_the_run_in_one_line_without_spending_restarts(tmp_path, dataset, small_disk):
+    cfg = make_config(tmp_path, dataset, "train.max_steps=20", f"run.storage_path={small_disk}")
+    with pytest.raises(StorageFullError) as e:
+        run(cfg)
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith(f"checkpoint step-15 does not fit on {small_disk}/tiny: about ")
+    needed, free = (int(x.split()[0]) for x in message.split(": about ")[1].split(", ")[:2])
+    assert needed > 2_000_000 and free < needed
+    assert message.endswith("free space there, lower checkpoint.num_to_keep, or move run.storage_path")
+    # the committed checkpoints survive; no restart was spent on an error a restart cannot cure
+    assert sorted(os.path.basename(d) for d in step_dirs(cfg)) == ["step-10", "step-5"]
+    with open(os.path.join(small_disk, "tiny", RUN_ID_FILE)) as f:
+        run_id = f.read().strip()
+    assert not [ev for ev in RunLogger(cfg.tracking.uri, run_id).events() if ev["kind"] == "failure"]
+    assert MlflowClient(cfg.tracking.uri).get_run(run_id).info.status == "FAILED"

@@ -1,0 +1,62 @@
+"""Where runs track to: MLFLOW_TRACKING_URI, the embedded server on a multi-node cluster, and paths
+that would land in Ray's temporary working-dir copy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from raytrain_ft.errors import ConfigError
+from raytrain_ft.launch.tracking_server import lasting_path
+from raytrain_ft.tracking import resolve_uri
+
+
+def test_the_uri_is_the_config_then_mlflow_tracking_uri_then_sqlite_in_the_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert resolve_uri("") == f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://10.0.0.5:5000")
+    assert resolve_uri("") == "http://10.0.0.5:5000"
+    assert resolve_uri("sqlite:////x/m.db") == "sqlite:////x/m.db"
+
+
+def test_a_relative_path_inside_rays_working_dir_copy_is_refused_in_one_line(tmp_path, monkeypatch):
+    package = tmp_path / "session_1" / "runtime_resources" / "working_dir_files" / "_ray_pkg_abc"
+    package.mkdir(parents=True)
+    monkeypatch.chdir(package)
+    with pytest.raises(ConfigError) as e:
+        lasting_path("runs", "run.storage_path")
+    assert str(e.value) == (
+        f"run.storage_path=runs would resolve to {package}/runs, inside Ray's temporary copy of --working-dir, "
+        "which Ray deletes; give an absolute path or a URL every node reaches"
+    )
+    assert lasting_path("/data/runs", "run.storage_path") == "/data/runs"
+    assert lasting_path("s3://b/runs", "run.storage_path") == "s3://b/runs"
+    monkeypatch.chdir(tmp_path)
+    assert lasting_path("runs", "run.storage_path") == f"{tmp_path}/runs"
+
+
+def test_without_a_uri_every_node_reaches_the_tracking_server(tmp_path):
+    r = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tests", "scenarios", "tracking_cluster.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    outcome = json.loads(r.stdout.strip().splitlines()[-1])
+    # an mlflow server on the head's cluster-internal address, not a per-node SQLite path
+    assert outcome["uri"].startswith(f"http://{outcome['head_address']}:")
+    assert outcome["head_address"] not in ("0.0.0.0", "")
+    assert len(outcome["nodes"]) == 2
+    assert sorted(p["node"] for p in outcome["reached"]) == sorted(outcome["nodes"])
+    # each node's artifact went through the server into the head's folder
+    assert all(p["artifact_uri"].startswith("mlflow-artifacts:/") for p in outcome["reached"])
+    assert len(list((tmp_path / "mlartifacts").rglob("probe.txt"))) == 2
+    assert (tmp_path / "mlflow.db").exists()
