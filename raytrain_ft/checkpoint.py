@@ -18,7 +18,10 @@ Life of a checkpoint (see README "Fault-tolerance guarantees"):
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import shutil
 import time
 from collections.abc import Callable
 
@@ -31,7 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from raytrain_ft.errors import CheckpointError
+from raytrain_ft.errors import CheckpointError, StorageFullError
 from raytrain_ft.train_state import KEY_META, KEY_MODEL, RunMeta, TrainState
 
 log = logging.getLogger(__name__)
@@ -42,6 +45,40 @@ METADATA_FILE = ".metadata"
 
 def step_path(root: str, step: int) -> str:
     return f"{root.rstrip('/')}/{STEP_PREFIX}{step}"
+
+
+def space_message(root: str, step: int, needed: int, free: int) -> str:
+    return (
+        f"checkpoint step-{step} does not fit on {root}: about {needed} bytes needed, {free} bytes free; "
+        "free space there, lower checkpoint.num_to_keep, or move run.storage_path"
+    )
+
+
+def _free_bytes(root: str) -> int:
+    path = root.removeprefix("file://")
+    while not os.path.exists(path):  # the run folder before its first save
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def _newest_size(root: str) -> int:
+    """Bytes of the newest complete checkpoint under `root` (0 before the first one)."""
+    complete = [s for s, done in list_step_dirs(root).items() if done]
+    if not complete:
+        return 0
+    folder = step_path(root, max(complete)).removeprefix("file://")
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
+
+
+def _out_of_space(exc: BaseException) -> bool:
+    """ENOSPC anywhere in the chain, or torch's zip writer failing on a short write."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return True
+        if "unexpected pos" in str(exc) or "No space left" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def step_of(path: str) -> int:
@@ -105,6 +142,7 @@ class Checkpointer:
         """Start an async save of `state` as `step-<step>` (finishes any earlier save first)."""
         t0 = time.perf_counter()
         self.wait()  # waiting for the previous write is a stall too (slow storage shows up here)
+        self.check_space(step)
         path = step_path(self.root, step)
         writer = (_SlowWriter if slow_writer else FsspecWriter)(path)
         response = dcp.async_save(
@@ -117,6 +155,25 @@ class Checkpointer:
         self.pending = (step, path, upload)
         self._started, self._pending_stall = t0, 0.0
         self._stalled(t0)
+
+    def check_space(self, step: int) -> None:
+        """On local storage, before a save: raise on every rank (rank 0 measures, all agree) when the
+        free bytes are fewer than the newest complete checkpoint's size, the expected size of this
+        one. Object stores cannot tell their free space: no check there.
+
+        Raises:
+            StorageFullError: one line with the storage, bytes needed and free, and the fixes.
+        """
+        local = "://" not in self.root or self.root.startswith("file://")
+        if not local:
+            return
+        room = torch.zeros(2, dtype=torch.float64)
+        if dist.get_rank() == 0:
+            room[0], room[1] = _free_bytes(self.root), _newest_size(self.root)
+        dist.broadcast(room, src=0, group=self.control_group)
+        free, needed = int(room[0].item()), int(room[1].item())
+        if needed > free:
+            raise StorageFullError(space_message(self.root, step, needed, free))
 
     def wait_staged(self) -> None:
         """Block until the snapshot copy is finished; call before anything mutates the state."""
@@ -151,14 +208,24 @@ class Checkpointer:
             return None
         t0 = time.perf_counter()
         self._finish_staging()
-        self.pending[2].result()
+        self._written(*self.pending[::2])
         dist.barrier(group=self.control_group)
         self._stalled(t0)  # all of it: training waits here (final save, settle before a fault or alert)
         return self._commit()
 
+    def _written(self, step: int, upload) -> None:
+        """Wait for this rank's write; a write that ran out of space becomes one line."""
+        try:
+            upload.result()
+        except Exception as e:
+            if _out_of_space(e):
+                needed, free = _newest_size(self.root), _free_bytes(self.root)
+                raise CheckpointError(space_message(self.root, step, needed, free)) from None
+            raise
+
     def _commit(self) -> int:
         step, path, upload = self.pending
-        upload.result()  # re-raises a failed write instead of committing it
+        self._written(step, upload)  # re-raises a failed write instead of committing it
         self.pending = None
         self.last_cost_s, self.last_duration_s = self._pending_stall, time.perf_counter() - self._started
         self.commit(step, path)

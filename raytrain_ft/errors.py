@@ -21,6 +21,10 @@ class CheckpointError(UserError):
     """No loadable checkpoint is left, or a checkpoint belongs to another model or dataset."""
 
 
+class StorageFullError(CheckpointError):
+    """A checkpoint does not fit on `run.storage_path`: a restart cannot cure it, so the run ends."""
+
+
 def find_user_error(exc: BaseException) -> UserError | None:
     """Return the first `UserError` in `exc`'s cause/context chain (Ray wraps worker errors)."""
     seen: set[int] = set()

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Iterator
 
+import fsspec
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -25,7 +26,7 @@ from raytrain_ft.data.audit import DataAudit
 from raytrain_ft.data.manifest import Manifest, load_manifest
 from raytrain_ft.data.order import EpochOrder
 from raytrain_ft.data.position import BatchPlan, DataPosition
-from raytrain_ft.errors import ConfigError
+from raytrain_ft.errors import ConfigError, StorageFullError
 from raytrain_ft.faults import FaultInjector
 from raytrain_ft.goodput import GoodputLedger
 from raytrain_ft.guards import ReplicaMismatchError, RollbackLog, SpikeGuard, gather_rows, rank_spread, replica_checksum
@@ -116,6 +117,31 @@ def step_batches(session: Session, position: DataPosition, plan: BatchPlan, step
         epoch, start = epoch + 1, 0
 
 
+RUN_ENDED_FILE = "run_ended_by_error"
+
+
+def end_run(run_root: str, message: str) -> None:
+    """Stop training without a restart: rank 0 leaves `message` in `<run folder>/run_ended_by_error`
+    for the driver, which reports it as the run's error (`raise_if_ended`)."""
+    if dist.get_rank() == 0:
+        with fsspec.open(f"{run_root.rstrip('/')}/{RUN_ENDED_FILE}", "w") as f:
+            f.write(message)
+
+
+def raise_if_ended(run_root: str) -> None:
+    """Driver, after the workers returned: raise the error a worker ended the run with, if any
+    (and remove its file, so a resubmission starts clean).
+
+    Raises:
+        StorageFullError: the message `end_run` left.
+    """
+    fs, base = fsspec.core.url_to_fs(f"{run_root.rstrip('/')}/{RUN_ENDED_FILE}")
+    if fs.exists(base):
+        message = fs.cat_file(base).decode()
+        fs.rm(base)
+        raise StorageFullError(message)
+
+
 def train(cfg: Config, session: Session, tracking_uri: str, mlflow_run_id: str) -> None:
     """Train until `cfg.train.max_steps`, resuming from the session's latest checkpoint.
 
@@ -124,9 +150,14 @@ def train(cfg: Config, session: Session, tracking_uri: str, mlflow_run_id: str) 
         ReplicaMismatchError: a guard alert under `guards.on_alert: restart`.
     """
     trainer = Trainer(cfg, session, tracking_uri, mlflow_run_id)
-    while trainer.progress.step < cfg.train.max_steps:
-        trainer.step()
-        trainer.watchdog.beat()
+    try:
+        while trainer.progress.step < cfg.train.max_steps:
+            trainer.step()
+            trainer.watchdog.beat()
+    except StorageFullError as e:  # every rank, at the same save: end the run instead of restarting
+        trainer.watchdog.stop()
+        end_run(session.run_root, str(e))
+        return
     trainer.watchdog.stop()  # the final write may take longer than a step
     trainer.finish()
 

@@ -22,7 +22,7 @@ from raytrain_ft.errors import CheckpointError, ConfigError, UserError, find_use
 from raytrain_ft.launch.callbacks import RunRecorder, describe
 from raytrain_ft.launch.tracking_server import history_uri, lasting_path, tracking_store
 from raytrain_ft.launch.worker import train_func
-from raytrain_ft.loop import check_data_fits, fingerprint
+from raytrain_ft.loop import check_data_fits, fingerprint, raise_if_ended
 from raytrain_ft.model import build_model, model_config
 from raytrain_ft.recovery import failures, root_first
 from raytrain_ft.tracking import RunLogger, flatten, resolve_uri, start_or_resume_run
@@ -216,5 +216,10 @@ def _fit(cfg: Config, uri: str) -> str:
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
+    try:
+        raise_if_ended(run_root)  # a worker ended the run with an error no restart cures (a full disk)
+    except UserError:
+        logger.finish("FAILED")
+        raise
     logger.finish("FINISHED")
     return run_id
