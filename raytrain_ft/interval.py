@@ -172,17 +172,24 @@ def planning_mtbf_s(
     return cluster_mtbf_s(mtbf_hours_per_gpu, num_gpus), "configured"
 
 
+FIRST_SAVE_STEPS = 3  # auto mode: enough steps for a median step time (the watchdog's), few enough to lose little
+
+
 class CheckpointSchedule:
     """When to start a checkpoint: every `interval_steps`, or Daly's interval (`checkpoint.interval: auto`).
 
-    Fixed: at every multiple of `interval_steps`. Auto (`mtbf_s` given): `interval_steps` after the
-    last save until the first save is measured, then `update` sets the interval to
+    Fixed: at every multiple of `interval_steps`. Auto (`mtbf_s` given): the first save of an attempt
+    comes `FIRST_SAVE_STEPS` steps after its start (or `interval_steps`, if fewer), to measure the
+    checkpoint cost early instead of training an interval with an unknown cost (and losing it all to
+    a failure before the first save); then `update` sets the interval to
     `max(optimal_interval_s(cost, mtbf_s), save duration)` seconds of compute (Daly 2006; never
     shorter than one save, so writes do not queue up), converted to steps at the current step time.
     """
 
     def __init__(self, interval_steps: int, mtbf_s: float | None = None, last_save_step: int = 0):
         self.steps, self.mtbf_s, self.last_save_step = interval_steps, mtbf_s, last_save_step
+        if self.auto:
+            self.steps = min(interval_steps, FIRST_SAVE_STEPS)
 
     @property
     def auto(self) -> bool:

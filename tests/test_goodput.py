@@ -119,12 +119,12 @@ def test_auto_interval_follows_daly_for_the_measured_cost_and_the_configured_mtb
         interval = max(optimal_interval_s(max(cost, 1e-3), 3.6), save)
         assert planned["checkpoint_interval_s"][step] == pytest.approx(interval)
         assert steps == max(1, round(interval / step_time)) and interval >= save
-    # the saves follow the plan: 5 steps (nothing measured yet), then the planned intervals (a save
+    # the saves follow the plan: 3 steps (the cost measured early), then the planned intervals (a save
     # waits while the previous one still writes, so a gap may exceed its plan by a step or two)
-    plans = {5} | set(planned["checkpoint_interval_steps"].values())
+    plans = {3} | set(planned["checkpoint_interval_steps"].values())
     gaps = [b - a for a, b in zip(saves, saves[1:-1], strict=False)]
-    assert saves[0] == 5 and saves[-1] == 40 and all(min(plans) <= g <= max(plans) + 3 for g in gaps)
+    assert saves[0] == 3 and saves[-1] == 40 and all(min(plans) <= g <= max(plans) + 3 for g in gaps)
 
     saves, data, _ = auto_run(tmp_path / "long", dataset, 10_000.0)
-    assert saves == [5, 40]  # a 10,000 h MTBF: the interval outgrows the run
+    assert saves == [3, 40]  # a 10,000 h MTBF: the interval outgrows the run
     assert data.metrics["checkpoint_interval_steps"] > 40

@@ -124,7 +124,7 @@ def test_the_auto_schedule_uses_daly_but_never_an_interval_shorter_than_one_save
     fixed = CheckpointSchedule(5)
     assert [s for s in range(1, 21) if fixed.due(s)] == [5, 10, 15, 20]
     auto = CheckpointSchedule(5, mtbf_s=36_000.0, last_save_step=3)
-    assert not auto.due(7) and auto.due(8)  # interval_steps after the last save until a save is measured
+    assert not auto.due(5) and auto.due(6)  # the first save comes early: its cost is measured
     planned = auto.update(cost_s=300.0, save_s=400.0, step_time_s=10.0)
     assert planned["checkpoint_interval_s"] == daly_interval_s(300.0, 36_000.0)
     assert auto.steps == round(daly_interval_s(300.0, 36_000.0) / 10.0)
