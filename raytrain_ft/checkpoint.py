@@ -108,9 +108,12 @@ def cleanup(root: str, committed_step: int) -> list[int]:
 
 
 class _SlowWriter(FsspecWriter):
-    """Writer that sleeps before writing (fault injection: makes `kill_during_save` deterministic)."""
+    """Writer that sleeps `delay_s` seconds before writing, after the folder exists (fault injection:
+    `kill_during_save`, `slow_save`)."""
 
-    delay_s = 3.0
+    def __init__(self, path: str, delay_s: float):
+        super().__init__(path)
+        self.delay_s = delay_s
 
     def write_data(self, plan, planner):
         time.sleep(self.delay_s)
@@ -138,13 +141,14 @@ class Checkpointer:
         # Pinned host memory + non-blocking copies on GPU; on CPU a plain background copy.
         self.stager = DefaultStager(StagingOptions(cuda, False, True, cuda))
 
-    def save(self, step: int, state: TrainState, slow_writer: bool = False) -> None:
-        """Start an async save of `state` as `step-<step>` (finishes any earlier save first)."""
+    def save(self, step: int, state: TrainState, write_delay_s: float = 0.0) -> None:
+        """Start an async save of `state` as `step-<step>` (finishes any earlier save first);
+        `write_delay_s` > 0 (fault injection) holds the write back that many seconds."""
         t0 = time.perf_counter()
         self.wait()  # waiting for the previous write is a stall too (slow storage shows up here)
         self.check_space(step)
         path = step_path(self.root, step)
-        writer = (_SlowWriter if slow_writer else FsspecWriter)(path)
+        writer = _SlowWriter(path, write_delay_s) if write_delay_s > 0 else FsspecWriter(path)
         response = dcp.async_save(
             state.snapshot(), storage_writer=writer, process_group=self.save_group, async_stager=self.stager
         )

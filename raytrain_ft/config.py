@@ -20,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from raytrain_ft.errors import ConfigError
 
-FAULT_KINDS = ("raise", "kill", "kill_during_save", "nan", "spike", "bitflip", "hang", "slow")
+FAULT_KINDS = ("raise", "kill", "kill_during_save", "nan", "spike", "bitflip", "hang", "slow", "slow_save")
 ALERT_POLICIES = ("warn", "restart")
 INTERVAL_MODES = ("fixed", "auto")
 
@@ -115,12 +115,12 @@ class GuardsSection:
 
 @dataclass
 class FaultSpec:
-    kind: str = MISSING  # raise | kill | kill_during_save | nan | spike | bitflip | hang | slow
+    kind: str = MISSING  # raise | kill | kill_during_save | nan | spike | bitflip | hang | slow | slow_save
     step: int = MISSING  # the (first) step at which the fault fires; once per run
     rank: int = 0  # the rank that fails; -1 = every rank
-    steps: int = 1  # spike / nan / slow: for this many consecutive steps
+    steps: int = 1  # spike / nan / slow / slow_save: for this many consecutive steps
     factor: float = 1000.0  # spike: the loss (and so the gradients) of the rank is multiplied by this
-    seconds: float = 0.0  # hang: sleep once; slow: sleep every step
+    seconds: float = 0.0  # hang: sleep once; slow: sleep every step; slow_save: the writer sleeps before each save
 
 
 @dataclass

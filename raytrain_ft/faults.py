@@ -5,10 +5,12 @@ Kinds: `raise` (an exception in the training loop), `kill` (SIGKILL of the worke
 async write is in flight; `step` must be a checkpoint step), `nan` (the rank's loss becomes NaN),
 `spike` (the rank's loss, and so its gradients, is multiplied by `factor`), `bitflip` (one bit of
 one parameter flips on the rank after the optimizer step), `hang` (the rank sleeps `seconds` inside
-the step), `slow` (the rank sleeps `seconds` in every step). `nan`, `spike` and `slow` last `steps`
-steps; `rank: -1` means every rank. Each fault fires once per run: the firing rank writes
-`<run folder>/faults/<index>-<step>.fired` first, so a restarted attempt (or the steps re-run
-after a rollback) passes it; `slow` is a property of the machine and fires on every pass.
+the step), `slow` (the rank sleeps `seconds` in every step), `slow_save` (slow storage: the rank's
+checkpoint writer sleeps `seconds` before writing each save, after creating the step folder).
+`nan`, `spike`, `slow` and `slow_save` last `steps` steps; `rank: -1` means every rank. Each fault
+fires once per run: the firing rank writes `<run folder>/faults/<index>-<step>.fired` first, so a
+restarted attempt (or the steps re-run after a rollback) passes it; `slow` and `slow_save` are
+properties of the machine and fire on every pass.
 
 Before a step with a pending fault every rank calls `settle()`: the loop finishes its in-flight save
 and waits until Ray registered the commit (the controller callback acknowledges it), so the step a test expects the
@@ -28,6 +30,8 @@ import fsspec
 import torch
 
 from raytrain_ft.config import FaultSpec
+
+KILL_DURING_SAVE_DELAY_S = 3.0  # the kill comes 0.5 s after the save started: well inside the write
 
 
 class InjectedFault(RuntimeError):
@@ -73,9 +77,17 @@ class FaultInjector:
                     os.kill(os.getpid(), signal.SIGKILL)
                 raise InjectedFault(f"injected fault at step {step} on rank {self.rank}")
 
-    def slow_save(self, step: int) -> bool:
-        """True on the rank that must be killed during the save of `step`."""
-        return any(self._mine(f) for _, f in self._pending(step, ("kill_during_save",)))
+    def save_delay_s(self, step: int) -> float:
+        """Seconds this rank's writer waits before writing the save of `step`: long enough for a
+        `kill_during_save` to strike first, or a `slow_save` fault's `seconds`."""
+        delay = sum(
+            f.seconds
+            for _, f in self.faults
+            if f.kind == "slow_save" and self._mine(f) and f.step <= step < f.step + f.steps
+        )
+        if any(self._mine(f) for _, f in self._pending(step, ("kill_during_save",))):
+            delay = max(delay, KILL_DURING_SAVE_DELAY_S)
+        return delay
 
     def after_save_started(self, step: int) -> None:
         """SIGKILL this rank while its (slowed) write of `step` is in flight."""

@@ -406,7 +406,7 @@ class Trainer:
         final = step == self.cfg.train.max_steps
         if (self.save_due and self.guard.consecutive == 0) or final:
             if self.check_replicas(step) or final:
-                self.checkpointer.save(step, self.state, slow_writer=self.faults.slow_save(step))
+                self.checkpointer.save(step, self.state, write_delay_s=self.faults.save_delay_s(step))
                 self.faults.after_save_started(step)
             self.schedule.saved(step)  # after a failed replica check too: the next try is an interval later
             self.save_due = False
@@ -501,6 +501,8 @@ def restore(
         removed = cleanup(session.run_root, committed)
         if removed:
             log.warning("deleted incomplete or uncommitted checkpoints at steps %s", removed)
+            if logger:
+                logger.event("uncommitted_checkpoints_deleted", steps=removed)
     dist.barrier(group=checkpointer.control_group)
     if latest is None:
         return None, set()

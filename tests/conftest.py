@@ -1,4 +1,11 @@
-"""Shared fixtures: a small real dataset, one real local Ray instance, config and MLflow helpers."""
+"""Shared fixtures: a small real dataset, one real local Ray instance, config and MLflow helpers.
+
+Two helpers every resume test uses (keep their names: other test files depend on them):
+- `assert_resumed(uri, run_id, expected)`: the step each attempt resumed from, in order; a run that
+  silently ignored its checkpoint ends with the same weights and data as one that resumed, so the
+  step is what proves it resumed.
+- `assert_same_state(a, b)` / `assert_tensors_equal(a, b)`: the one way to compare weights.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +20,11 @@ import torch.distributed as dist
 from mlflow.tracking import MlflowClient
 
 from raytrain_ft.checkpoint import load_model_state_dict, load_tensors, step_path
-from raytrain_ft.config import load_config
+from raytrain_ft.config import TrainSection, load_config
 from raytrain_ft.data.prepare import PrepareSettings, prepare
 from raytrain_ft.launch.trainer import WORKER_ENV
+from raytrain_ft.loop import lr_schedule
+from raytrain_ft.tracking import RunLogger
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STDLIB_JSON = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
@@ -77,9 +86,71 @@ def run_root(cfg) -> str:
     return os.path.join(cfg.run.storage_path, cfg.run.name)
 
 
-def final_state(cfg, step: int) -> dict[str, torch.Tensor]:
-    path = step_path(run_root(cfg), step)
+def checkpoint_state(path: str) -> dict[str, torch.Tensor]:
+    """Model weights and optimizer tensors (keys `optim.*`) of a checkpoint folder (local or fsspec URL)."""
     return {**load_model_state_dict(path), **{f"optim.{k}": v for k, v in load_tensors(path, "optim").items()}}
+
+
+def final_state(cfg, step: int) -> dict[str, torch.Tensor]:
+    return checkpoint_state(step_path(run_root(cfg), step))
+
+
+COMMITTED = "committed"  # an expected resume step that depends on timing: any step > 0 the run committed
+
+
+def events(uri: str, run_id: str, kind: str) -> list[dict]:
+    """The run's events of one kind, oldest first."""
+    return [e for e in RunLogger(uri, run_id).events() if e["kind"] == kind]
+
+
+def assert_resumed(uri: str, run_id: str, expected: list) -> list[dict]:
+    """Assert where each attempt of the run started, in order, and return the attempts.
+
+    `expected[i]` is the exact step attempt i resumed from (0: a fresh start) where it is
+    deterministic (injected faults settle first, so they are), or `COMMITTED` where it depends on
+    timing: then the step must be > 0. Either way a step > 0 must have been committed before the
+    attempt started: the goodput metrics are logged at that step by its commit (or by an earlier
+    attempt that resumed from it), with an earlier timestamp. Attempts are the `attempt_start`
+    events (fields `resumed_from`, `world_size`, `time`).
+    """
+    attempts = events(uri, run_id, "attempt_start")
+    got = [a["resumed_from"] for a in attempts]
+    assert len(got) == len(expected), f"attempts resumed from {got}, expected {expected}"
+    logged = MlflowClient(uri).get_metric_history(run_id, "wall_s")
+    for a, want in zip(attempts, expected, strict=True):
+        step = a["resumed_from"]
+        assert step > 0 if want == COMMITTED else step == want, f"attempts resumed from {got}, expected {expected}"
+        if step > 0:
+            committed = {m.step for m in logged if m.timestamp / 1000 < a["time"]}
+            assert step in committed, f"an attempt resumed from step {step}, which was never committed before it"
+    return attempts
+
+
+STEP_METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "epoch", "checkpoint_stall_s")
+
+
+def assert_kept_timeline(cfg, run_id: str, ref_cfg, ref_run: str, discarded: list[int]) -> None:
+    """One value per step on the kept timeline, equal to the uninterrupted run's where training is
+    deterministic; the re-run steps' first values under `discarded/`, every value under `live/`."""
+    client, steps = MlflowClient(cfg.tracking.uri), list(range(1, cfg.train.max_steps + 1))
+    for key in STEP_METRICS:
+        assert sorted(m.step for m in client.get_metric_history(run_id, key)) == steps, key
+        assert sorted(m.step for m in client.get_metric_history(run_id, f"discarded/{key}")) == discarded, key
+    for key in ("loss", "lr", "grad_norm", "epoch"):
+        assert metric_by_step(cfg, run_id, key) == metric_by_step(ref_cfg, ref_run, key), key
+    assert sorted(m.step for m in client.get_metric_history(run_id, "live/loss")) == sorted(steps + discarded)
+
+
+def uninterrupted_lrs(train: TrainSection) -> dict[int, float]:
+    """{step: lr logged after that step} of an uninterrupted run: the schedule alone decides it."""
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=train.lr)
+    schedule = lr_schedule(optimizer, train)
+    lrs = {}
+    for step in range(1, train.max_steps + 1):
+        optimizer.step()
+        schedule.step()
+        lrs[step] = schedule.get_last_lr()[0]
+    return lrs
 
 
 def assert_tensors_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

@@ -119,11 +119,16 @@ def test_auto_interval_follows_daly_for_the_measured_cost_and_the_configured_mtb
         interval = max(optimal_interval_s(max(cost, 1e-3), 3.6), save)
         assert planned["checkpoint_interval_s"][step] == pytest.approx(interval)
         assert steps == max(1, round(interval / step_time)) and interval >= save
-    # the saves follow the plan: 3 steps (the cost measured early), then the planned intervals (a save
-    # waits while the previous one still writes, so a gap may exceed its plan by a step or two)
-    plans = {3} | set(planned["checkpoint_interval_steps"].values())
-    gaps = [b - a for a, b in zip(saves, saves[1:-1], strict=False)]
-    assert saves[0] == 3 and saves[-1] == 40 and all(min(plans) <= g <= max(plans) + 3 for g in gaps)
+    # the saves follow the plan, exactly: 3 steps (the cost measured early); then the save at `a`
+    # commits at step `c` (the last step whose loss was logged before its plan) and sets the plan
+    # `p`, and the next save comes at a + p, or at c if the write outlasted the plan
+    assert saves[0] == 3 and saves[-1] == 40
+    client = MlflowClient(cfg.tracking.uri)
+    loss_logged = {m.step: m.timestamp for m in client.get_metric_history(run_id, "loss")}
+    plan_logged = {m.step: m.timestamp for m in client.get_metric_history(run_id, "checkpoint_interval_steps")}
+    for a, b in zip(saves, saves[1:-1], strict=False):
+        committed_at = max(s for s, t in loss_logged.items() if t <= plan_logged[a])
+        assert b == max(a + planned["checkpoint_interval_steps"][a], committed_at), (a, b, committed_at)
 
     saves, data, _ = auto_run(tmp_path / "long", dataset, 10_000.0)
     assert saves == [3, 40]  # a 10,000 h MTBF: the interval outgrows the run

@@ -66,7 +66,7 @@ def test_async_snapshot_is_not_torn_by_later_updates(tmp_path, process_group, mo
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     committed = []
     ckpt = Checkpointer(str(tmp_path), lambda step, path: committed.append(step))
-    ckpt.save(7, state, slow_writer=True)
+    ckpt.save(7, state, write_delay_s=1.0)
     ckpt.wait_staged()
     with torch.no_grad():  # an optimizer step right after the snapshot, while the write is held
         for p in model.parameters():

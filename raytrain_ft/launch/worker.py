@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from collections.abc import Iterator
 
@@ -36,6 +38,14 @@ class RaySession:
         self.data_path, self.seed = data_path, seed
         self.manifest = load_manifest(data_path)
         self.last_commit: str | None = None
+        self._record_process()
+
+    def _record_process(self) -> None:
+        """Write `<run folder>/workers/rank<r>.json` (this attempt's pid, node IP, start time in unix
+        seconds): which process to `py-spy dump` when a rank misbehaves, and which one a chaos test kills."""
+        record = {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "started_at": time.time()}
+        with fsspec.open(f"{self.run_root.rstrip('/')}/workers/rank{self.rank}.json", "w", auto_mkdir=True) as f:
+            json.dump(record, f)
 
     def latest_checkpoint(self) -> str | None:
         checkpoint = ray.train.get_checkpoint()
