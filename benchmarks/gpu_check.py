@@ -2,8 +2,13 @@
 
 Single process, world size 1, `torch.distributed` with NCCL (`file://` rendezvous), on `cuda:0`:
 
-1. the `125m` preset (vocab 8192, seq_len 512) on the GPU, AdamW, `--steps` timed training steps
-   under bf16 autocast on random tokens (after 2 warm-up steps): steps/s and tokens/s;
+1. `--strategy ddp` (default): the `125m` preset (vocab 8192, seq_len 512) built by
+   `raytrain_ft.parallel.build` under DDP, AdamW, `--steps` timed training steps under bf16 autocast
+   on random tokens (after 2 warm-up steps): steps/s, tokens/s and MFU (`raytrain_ft.model.flops_per_token`
+   over the peak of the detected GPU, `raytrain_ft.hardware.GPUS`);
+   `--strategy fsdp`: the `1b` preset under FSDP2 (`fully_shard`, one rank, bf16 `MixedPrecisionPolicy`,
+   activation checkpointing unless `--no-activation-checkpointing`), the same measurements, plus the
+   peak memory (`torch.cuda.max_memory_allocated`) against `raytrain_ft.memory.plan`'s estimate;
 2. with `raytrain_ft.checkpoint.Checkpointer` (pinned-memory staging on CUDA), per round:
    stall of an async save = `save()` + one more step's forward/backward (the work the copy overlaps
    with, not counted) + `wait_staged()`; then the optimizer step; then a synchronous
@@ -33,7 +38,8 @@ import torch
 
 from report import default_out, report
 
-VOCAB, SEQ_LEN, PRESET = 8192, 512, "125m"
+VOCAB, SEQ_LEN = 8192, 512
+PRESETS = {"ddp": "125m", "fsdp": "1b"}
 
 
 def main() -> int:
@@ -42,8 +48,11 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
     p.add_argument("--repeats", type=int, default=3, help="measured checkpoint rounds")
     p.add_argument("--timeout-s", type=int, default=270, help="abort (traceback, status 1) after this long")
-    p.add_argument("--out", default=default_out("gpu_check"))
+    p.add_argument("--strategy", choices=list(PRESETS), default="ddp", help="ddp (125m) or fsdp (1b)")
+    p.add_argument("--no-activation-checkpointing", action="store_true", help="fsdp: keep every activation")
+    p.add_argument("--out", default=None, help="default benchmarks/results/gpu_check[_fsdp].json")
     args = p.parse_args()
+    args.out = args.out or default_out("gpu_check" if args.strategy == "ddp" else "gpu_check_fsdp")
     if args.steps < 1 or args.batch < 1 or args.repeats < 1:
         p.error("--steps, --batch and --repeats must be >= 1")
 
@@ -56,7 +65,11 @@ def main() -> int:
     import torch.distributed.checkpoint as dcp
 
     from raytrain_ft.checkpoint import Checkpointer, load_model_state_dict, step_path
-    from raytrain_ft.model import build_model, lm_loss
+    from raytrain_ft.config import load_config
+    from raytrain_ft.hardware import GPUS
+    from raytrain_ft.memory import plan
+    from raytrain_ft.model import flops_per_token, lm_loss
+    from raytrain_ft.parallel import build, local
     from raytrain_ft.train_state import ModelState, OptimizerState, TrainState
 
     root = tempfile.mkdtemp(prefix="gpu-check-")
@@ -68,17 +81,30 @@ def main() -> int:
         dist.all_reduce(probe)
         nccl_ok = bool(torch.equal(probe.cpu(), torch.ones(4)))
 
-        torch.manual_seed(0)
-        model = build_model(PRESET, VOCAB, SEQ_LEN, 0.0).to(device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        preset, checkpointing = PRESETS[args.strategy], args.strategy == "fsdp" and not args.no_activation_checkpointing
+        cfg = load_config(
+            None,
+            [
+                f"model.preset={preset}",
+                "scaling.use_gpu=true",
+                f"parallel.strategy={args.strategy}",
+                f"parallel.activation_checkpointing={checkpointing}",
+                "train.lr=1e-4",
+            ],
+        )
+        par, optimizer = build(cfg, VOCAB, SEQ_LEN, device)
+        model = par.model
         tokens = torch.randint(0, VOCAB, (args.batch, SEQ_LEN + 1), device=device)
 
         def forward_backward() -> torch.Tensor:
             optimizer.zero_grad(set_to_none=True)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = lm_loss(model, tokens)
+            with par.micro_batch(last=True):
+                loss = lm_loss(par.module, tokens)
             loss.backward()
             return loss
+
+        def weights() -> dict[str, torch.Tensor]:
+            return {k: local(v).detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
         def train_step() -> torch.Tensor:
             loss = forward_backward()
@@ -87,12 +113,15 @@ def main() -> int:
 
         losses = [train_step().item() for _ in range(2)]  # warm-up: kernels, allocator, AdamW state
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
         for _ in range(args.steps):
             loss = train_step()
         torch.cuda.synchronize()
         train_s = time.perf_counter() - t0
+        peak_memory = torch.cuda.max_memory_allocated(device)
         losses.append(loss.item())
+        planned = plan(preset, VOCAB, SEQ_LEN, args.batch, args.strategy, 1, 1, checkpointing, 80.0)
 
         state = TrainState(rank=0)
         state.add("model", ModelState(model))
@@ -102,7 +131,7 @@ def main() -> int:
         def async_round(step: int) -> tuple[float, dict[str, torch.Tensor]]:
             """Stall of one async save between two steps; returns it and the weights at the save."""
             torch.cuda.synchronize()
-            expected = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            expected = weights()
             t0 = time.perf_counter()
             ckpt.save(step, state)
             returned = time.perf_counter() - t0
@@ -129,26 +158,34 @@ def main() -> int:
         saved_step = args.repeats
         loaded = load_model_state_dict(step_path(root, saved_step))
         mismatched = sorted(k for k in loaded.keys() | expected.keys() if not _same(loaded.get(k), expected.get(k)))
-        weights_changed_after_save = any(
-            not torch.equal(v.detach().cpu(), expected[k]) for k, v in model.state_dict().items()
-        )
+        weights_changed_after_save = any(not torch.equal(v, expected[k]) for k, v in weights().items())
 
         stall_s, sync_s = statistics.median(stalls), statistics.median(syncs)
         num_params = sum(p.numel() for p in model.parameters())
+        name = torch.cuda.get_device_name(device)
+        peak_tflops = next((tf for gpu, (_, tf) in GPUS.items() if gpu.split("-")[0] in name), None)
+        tokens_per_s = args.steps * args.batch * SEQ_LEN / train_s
         result = {
-            "device": torch.cuda.get_device_name(device),
+            "device": name,
+            "strategy": args.strategy,
+            "activation_checkpointing": checkpointing,
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
             "nccl": _nccl_version(),
             "nccl_all_reduce_ok": nccl_ok,
-            "preset": PRESET,
+            "preset": preset,
             "num_params": num_params,
             "state_bytes": num_params * 4 * 3,  # fp32 weights + AdamW m + v
             "batch": args.batch,
             "seq_len": SEQ_LEN,
             "steps": args.steps,
             "steps_per_s": args.steps / train_s,
-            "tokens_per_s": args.steps * args.batch * SEQ_LEN / train_s,
+            "tokens_per_s": tokens_per_s,
+            "mfu": flops_per_token(model, SEQ_LEN) * tokens_per_s / (peak_tflops * 1e12) if peak_tflops else None,
+            "peak_memory_bytes": peak_memory,
+            "planned_device_bytes": planned.device_total,
+            "planned_by_part": {k: v for k, v in planned.as_dict().items() if k not in ("device_memory", "fits")},
+            "peak_over_planned": peak_memory / planned.device_total,
             "loss_first": losses[0],
             "loss_last": losses[-1],
             "repeats": args.repeats,

@@ -33,7 +33,7 @@ from report import default_out, report
 def bare_step(t: Trainer) -> None:
     micro_batches = next(t.batches)
     t.forward_backward(micro_batches, 1.0)
-    torch.nn.utils.clip_grad_norm_(t.ddp.parameters(), t.cfg.train.grad_clip)
+    t.par.clip_grad_norm_(t.cfg.train.grad_clip)
     t.optimizer.step()
     t.optimizer.zero_grad(set_to_none=True)
 

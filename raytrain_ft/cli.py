@@ -1,6 +1,7 @@
 """The `raytrain-ft` command line. One subcommand per task; add one with a `_add_<name>` function below.
 
     raytrain-ft plan-interval --mtbf-hours 10000 --gpus 1000 --checkpoint-seconds 300
+    raytrain-ft plan-memory --config configs/gpu-7b.yaml [--strategy ddp --micro-batch-size 2 ...]
     raytrain-ft history RUN_NAME_OR_ID [--tracking-uri sqlite:///mlflow.db]   (or MLFLOW_TRACKING_URI)
 
 Errors in the input print one `error: ...` line on stderr and exit with status 2.
@@ -69,6 +70,85 @@ def _add_plan_interval(subparsers) -> None:
     p.add_argument("--restart-seconds", type=float, default=0.0, help="time to restart after a failure, seconds")
     p.add_argument("--step-seconds", type=float, default=None, help="seconds per training step: also print steps")
     p.set_defaults(func=_plan_interval)
+
+
+def _plan_memory(args: argparse.Namespace) -> int:
+    """Per-device memory of a config or of explicit settings, and whether it fits (see `raytrain_ft.memory`)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from raytrain_ft import memory
+    from raytrain_ft.config import load_config
+    from raytrain_ft.errors import ConfigError
+
+    overrides = [
+        f"{key}={getattr(args, dest)}" for dest, key in MEMORY_FLAGS.items() if getattr(args, dest) is not None
+    ]
+    if args.world_size is not None:
+        overrides.append(f"scaling.num_workers={args.world_size}")
+    if args.vocab_size < 1:
+        raise ValueError(f"--vocab-size must be positive, got {args.vocab_size}")
+    try:
+        cfg = load_config(args.config, ["scaling.use_gpu=true", *overrides])  # the plan is for GPUs
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
+    seq_len = cfg.train.seq_len or args.default_seq_len
+    try:
+        p = memory.plan_config(cfg, args.vocab_size, seq_len)
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
+    strategy = memory.resolve_strategy(cfg.parallel, True)
+    table = Table(
+        title=f"Memory per GPU: {cfg.model.preset}, {strategy}, {cfg.worker_range[0]} GPUs, seq_len {seq_len}"
+    )
+    table.add_column("part")
+    table.add_column("GiB", justify="right")
+    for part in ("params", "grads", "optimizer", "buffers", "activations"):
+        table.add_row(part, f"{getattr(p, part) / memory.GIB:.2f}")
+    table.add_row("total per GPU", f"{p.device_total / memory.GIB:.2f}")
+    table.add_row(
+        f"{cfg.scaling.gpu_type} memory ({memory.HEADROOM:.0%} usable)", f"{p.device_memory / memory.GIB:.0f}"
+    )
+    table.add_row("checkpoint staging (pinned host memory per node)", f"{p.staging_per_node / memory.GIB:.2f}")
+    Console(width=120).print(table)
+    print("fits" if p.fits else "does not fit")
+    return 0 if p.fits else 1
+
+
+# plan-memory flag (argparse dest) -> config key
+MEMORY_FLAGS = {
+    "preset": "model.preset",
+    "strategy": "parallel.strategy",
+    "shard_size": "parallel.shard_size",
+    "micro_batch_size": "train.micro_batch_size",
+    "seq_len": "train.seq_len",
+    "activation_checkpointing": "parallel.activation_checkpointing",
+    "gpu_type": "scaling.gpu_type",
+    "gpus_per_node": "scaling.gpus_per_node",
+}
+
+
+def _add_plan_memory(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan-memory",
+        help="per-GPU memory of a model, strategy and batch; whether it fits",
+        description="Bytes per GPU for parameters, gradients, optimizer state, communication buffers and "
+        "activations (Korthikanti et al. 2022), and pinned host memory for checkpoint staging, for a config file "
+        "and/or the flags below (flags win). Exit status 0 if it fits, 1 if not, 2 on bad input.",
+    )
+    p.add_argument("--config", default=None, help="a run config YAML (e.g. configs/gpu-7b.yaml)")
+    p.add_argument("--preset", default=None, help="model preset (tiny, small, 125m, 1b, 7b, 70b)")
+    p.add_argument("--strategy", default=None, help="ddp, fsdp or hsdp")
+    p.add_argument("--world-size", type=int, default=None, help="GPUs in the job (default: the config's minimum)")
+    p.add_argument("--shard-size", type=int, default=None, help="hsdp: GPUs per shard group")
+    p.add_argument("--micro-batch-size", type=int, default=None, help="sequences per forward/backward")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
+    p.add_argument("--default-seq-len", type=int, default=2048, help=argparse.SUPPRESS)
+    p.add_argument("--vocab-size", type=int, default=32000, help="vocabulary size of the prepared dataset")
+    p.add_argument("--activation-checkpointing", default=None, choices=["true", "false"], help="per decoder layer")
+    p.add_argument("--gpu-type", default=None, help="A100-40GB, A100-80GB, H100 or H200 (device memory)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (hsdp default shard size)")
+    p.set_defaults(func=_plan_memory)
 
 
 def _history(args: argparse.Namespace) -> int:
@@ -142,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raytrain-ft", description="Fault-tolerant LLM pretraining on Ray Train.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_plan_interval(subparsers)
+    _add_plan_memory(subparsers)
     _add_history(subparsers)
     return parser
 

@@ -23,6 +23,8 @@ from raytrain_ft.errors import ConfigError
 FAULT_KINDS = ("raise", "kill", "kill_during_save", "nan", "spike", "bitflip", "hang", "slow", "slow_save")
 ALERT_POLICIES = ("warn", "restart")
 INTERVAL_MODES = ("fixed", "auto")
+STRATEGIES = ("auto", "ddp", "fsdp", "hsdp")
+GPU_TYPES = ("A100-40GB", "A100-80GB", "H100", "H200")  # the keys of raytrain_ft.hardware.GPUS
 
 
 @dataclass
@@ -62,6 +64,16 @@ class ScalingSection:
     num_workers: Any = 2  # int, or [min, max] for elastic training
     use_gpu: bool = False  # one GPU per worker, NCCL backend
     cpus_per_worker: float = 0.5  # fractional so Ray Data read tasks still get CPU on small nodes
+    gpu_type: str = "A100-40GB"  # A100-40GB / A100-80GB / H100 / H200: memory for the memory plan, peak for mfu
+    gpus_per_node: int = 8  # GPUs of one node: hsdp's default shard size in the memory plan, host staging per node
+    peak_tflops_per_device: float = 0.0  # dense bf16 peak of one GPU for mfu; 0 = the gpu_type's
+
+
+@dataclass
+class ParallelSection:
+    strategy: str = "auto"  # ddp / fsdp / hsdp (raytrain_ft.parallel); auto = fsdp when scaling.use_gpu, else ddp
+    shard_size: int = 0  # hsdp: ranks per shard group (must divide the world size); 0 = the GPUs of one node
+    activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward (less memory)
 
 
 @dataclass
@@ -130,6 +142,7 @@ class Config:
     model: ModelSection = field(default_factory=ModelSection)
     train: TrainSection = field(default_factory=TrainSection)
     scaling: ScalingSection = field(default_factory=ScalingSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     failure: FailureSection = field(default_factory=FailureSection)
     tracking: TrackingSection = field(default_factory=TrackingSection)
@@ -264,6 +277,12 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(
             f"config key 'guards.on_alert' is {cfg.guards.on_alert!r}; valid: {', '.join(ALERT_POLICIES)}"
         )
+    if cfg.parallel.strategy not in STRATEGIES:
+        raise ConfigError(
+            f"config key 'parallel.strategy' is {cfg.parallel.strategy!r}; valid: {', '.join(STRATEGIES)}"
+        )
+    if cfg.scaling.gpu_type not in GPU_TYPES:
+        raise ConfigError(f"config key 'scaling.gpu_type' is {cfg.scaling.gpu_type!r}; valid: {', '.join(GPU_TYPES)}")
     if cfg.checkpoint.interval not in INTERVAL_MODES:
         raise ConfigError(
             f"config key 'checkpoint.interval' is {cfg.checkpoint.interval!r}; valid: {', '.join(INTERVAL_MODES)}"
@@ -275,6 +294,7 @@ def _validate(cfg: Config) -> None:
         "train.global_batch_size": cfg.train.global_batch_size,
         "train.micro_batch_size": cfg.train.micro_batch_size,
         "checkpoint.interval_steps": cfg.checkpoint.interval_steps,
+        "scaling.gpus_per_node": cfg.scaling.gpus_per_node,
         "checkpoint.num_to_keep": cfg.checkpoint.num_to_keep,
         "guards.rank_check.interval_steps": cfg.guards.rank_check.interval_steps,
         "guards.fingerprint.interval_steps": cfg.guards.fingerprint.interval_steps,

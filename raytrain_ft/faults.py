@@ -106,13 +106,14 @@ class FaultInjector:
                 factor *= math.nan if f.kind == "nan" else f.factor
         return factor
 
-    def after_optimizer_step(self, step: int, model: torch.nn.Module) -> None:
-        """`bitflip`, `hang` and `slow` faults of this rank at `step`."""
+    def after_optimizer_step(self, step: int, param: torch.Tensor) -> None:
+        """`bitflip` (in `param`: this rank's first parameter tensor or shard), `hang` and `slow` faults of
+        this rank at `step`."""
         for i, f in self._pending(step, ("bitflip", "hang")):
             if self._mine(f):
                 self._mark(i, step)
                 if f.kind == "bitflip":
-                    flip_bit(next(model.parameters()))
+                    flip_bit(param)
                 else:
                     time.sleep(f.seconds)
         for f in (f for _, f in self.faults if f.kind == "slow" and self._mine(f)):

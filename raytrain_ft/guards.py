@@ -8,8 +8,11 @@
   After `max_consecutive_skips` skips in a row the loop rolls back (see `loop.rollback`).
 * `rank_spread` (design notes, "cheap silent-error detector"): relative spread
   `(max - min) / (|mean| + 1e-9)` of each column of the gathered [loss, grad_norm] rows.
-* `replica_checksum`: DDP replicas must hold bitwise-identical weights; the checksum is the int64
-  sum of every parameter's raw bits, so any single flipped bit changes it.
+* `replica_checksum`: replicas must hold bitwise-identical weights; the checksum is the int64
+  sum of the raw bits of every parameter this rank holds, so any single flipped bit changes it.
+  Under DDP every rank is a replica; under HSDP the ranks holding the same shard index (one per
+  replica group) are compared (`replica_mismatch`); under FSDP there are no replicas and the check
+  does not apply (see `raytrain_ft.parallel`).
 """
 
 from __future__ import annotations
@@ -88,11 +91,20 @@ def gather_rows(values: list, group: dist.ProcessGroup, dtype: torch.dtype = tor
     return torch.stack(rows)
 
 
+def replica_mismatch(rows: torch.Tensor) -> bool:
+    """True when two ranks holding the same shard disagree.
+
+    Args:
+        rows: int64 (world_size, 2), one `[shard_index, checksum]` row per rank.
+    """
+    return any(len(set(rows[rows[:, 0] == s, 1].tolist())) > 1 for s in rows[:, 0].unique().tolist())
+
+
 @torch.no_grad()
-def replica_checksum(model: torch.nn.Module) -> int:
-    """int64 sum of the raw bits of every parameter (wraps on overflow; any bit flip changes it)."""
-    total = torch.zeros((), dtype=torch.int64, device=next(model.parameters()).device)
-    for p in model.parameters():
+def replica_checksum(tensors: list[torch.Tensor]) -> int:
+    """int64 sum of the raw bits of every tensor (wraps on overflow; any bit flip changes it)."""
+    total = torch.zeros((), dtype=torch.int64, device=tensors[0].device)
+    for p in tensors:
         bits = p.detach().contiguous().view(torch.int32 if p.element_size() == 4 else torch.int16)
         total += bits.to(torch.int64).sum()
     return int(total.item())

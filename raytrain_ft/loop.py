@@ -10,7 +10,6 @@ keeps the goodput ledger (`raytrain_ft.goodput`): every second of wall time in o
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Iterator
@@ -18,7 +17,6 @@ from collections.abc import Iterator
 import fsspec
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raytrain_ft.checkpoint import Checkpointer, cleanup, list_step_dirs, step_of, step_path
 from raytrain_ft.config import Config, TrainSection
@@ -29,9 +27,19 @@ from raytrain_ft.data.position import BatchPlan, DataPosition
 from raytrain_ft.errors import ConfigError, StorageFullError
 from raytrain_ft.faults import FaultInjector
 from raytrain_ft.goodput import GoodputLedger
-from raytrain_ft.guards import ReplicaMismatchError, RollbackLog, SpikeGuard, gather_rows, rank_spread, replica_checksum
+from raytrain_ft.guards import (
+    ReplicaMismatchError,
+    RollbackLog,
+    SpikeGuard,
+    gather_rows,
+    rank_spread,
+    replica_checksum,
+    replica_mismatch,
+)
+from raytrain_ft.hardware import peak_flops_per_device
 from raytrain_ft.interval import CheckpointSchedule, planning_mtbf_s
-from raytrain_ft.model import build_model, lm_loss
+from raytrain_ft.model import flops_per_token, lm_loss
+from raytrain_ft.parallel import build
 from raytrain_ft.recovery import failures
 from raytrain_ft.session import Session
 from raytrain_ft.tracking import RunLogger
@@ -176,22 +184,18 @@ class Trainer:
         self.plan = BatchPlan(cfg.train.global_batch_size, cfg.train.micro_batch_size, self.world_size)
         self.steps_per_epoch = self.manifest.num_samples // self.plan.global_batch_size
 
-        torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
-        m = cfg.model
-        self.model = build_model(m.preset, self.manifest.vocab_size, self.manifest.seq_len, m.dropout).to(self.device)
-        self.ddp = DDP(self.model, device_ids=[self.device.index] if cuda else None)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay
-        )
+        self.par, self.optimizer = build(cfg, self.manifest.vocab_size, self.manifest.seq_len, self.device)
         self.scheduler = lr_schedule(self.optimizer, cfg.train)
         self.progress, self.position = Progress(), DataPosition()
         g = cfg.guards.spike
         self.guard, self.rollbacks = SpikeGuard(g.factor, g.window, g.warmup), RollbackLog()
-        num_params = sum(p.numel() for p in self.model.parameters())
+        num_params = sum(p.numel() for p in self.par.model.parameters())
+        self.flops_per_token = flops_per_token(self.par.model, self.manifest.seq_len)
+        self.peak_flops = peak_flops_per_device(cfg.scaling) if cuda else 0.0  # no MFU on CPU
 
         self.state = TrainState(self.rank)
-        self.state.add(KEY_MODEL, ModelState(self.ddp))
-        self.state.add(KEY_OPTIM, OptimizerState(self.ddp, self.optimizer))
+        self.state.add(KEY_MODEL, ModelState(self.par.model))
+        self.state.add(KEY_OPTIM, OptimizerState(self.par.model, self.optimizer))
         self.state.add(KEY_SCHEDULER, Pickled(self.scheduler))
         self.state.add(KEY_PROGRESS, Pickled(self.progress))
         self.state.add(KEY_DATA, Pickled(self.position))
@@ -220,7 +224,6 @@ class Trainer:
         self.batches = step_batches(session, self.position, self.plan, self.steps_per_epoch)
         self.save_due = self.preemption_saved = False
         self.stall_seen = 0.0  # checkpointer.stall_s already accounted
-        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cuda)
         self.done = self.progress.step >= cfg.train.max_steps  # a finished run submitted again
         failure_times = self.start_attempt(init_started_at, resumed_from, KEY_GOODPUT in loaded) if self.logger else []
         self.schedule = self.checkpoint_schedule(failure_times)
@@ -235,6 +238,7 @@ class Trainer:
     def start_attempt(self, init_started_at: float, resumed_from: int | None, ledger_loaded: bool) -> list[float]:
         """Rank 0, after the restore: log the attempt, classify the time since the checkpoint's
         snapshot (goodput), and return the run's failure times (unix seconds) so far."""
+        self.logger.tags(self.par.tags())
         self.logger.metrics(self.progress.step, {"resumed_from_step": resumed_from or 0, "world_size": self.world_size})
         self.logger.event(
             "attempt_start", resumed_from=resumed_from or 0, world_size=self.world_size, init_started_at=init_started_at
@@ -294,7 +298,7 @@ class Trainer:
         micro_batches = next(self.batches)
         self.audit.record(step, torch.cat([mb["sample_id"] for mb in micro_batches]))
         local_loss = self.forward_backward(micro_batches, self.faults.loss_factor(step))
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.ddp.parameters(), self.cfg.train.grad_clip))
+        grad_norm = self.par.clip_grad_norm_(self.cfg.train.grad_clip)
         skip, median = self.guard.decide(grad_norm)
         totals = torch.tensor([local_loss, float(skip)], dtype=torch.float64)
         dist.all_reduce(totals, group=self.group)  # SUM: global mean loss, and every rank's decision
@@ -307,7 +311,7 @@ class Trainer:
         self.scheduler.step()
         self.progress.step = step
         self.position.advance(self.plan.global_batch_size, self.steps_per_epoch)
-        self.faults.after_optimizer_step(step, self.model)
+        self.faults.after_optimizer_step(step, self.par.local_parameters()[0])
         loss = totals[0].item() / self.world_size
         stall, self.stall_seen = self.checkpointer.stall_s - self.stall_seen, self.checkpointer.stall_s
         if self.logger:
@@ -327,9 +331,8 @@ class Trainer:
         loss = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro_batches):
             tokens = mb["tokens"].to(self.device, non_blocking=True)
-            last = i == len(micro_batches) - 1  # DDP all-reduces gradients only on the last micro-batch
-            with contextlib.nullcontext() if last else self.ddp.no_sync(), self.autocast:
-                micro_loss = lm_loss(self.ddp, tokens) * loss_factor / self.plan.grad_accum_steps
+            with self.par.micro_batch(last=i == len(micro_batches) - 1):
+                micro_loss = lm_loss(self.par.module, tokens) * loss_factor / self.plan.grad_accum_steps
             micro_loss.backward()
             loss += micro_loss.detach()
         return loss.item()
@@ -338,13 +341,16 @@ class Trainer:
         if not self.logger:
             return
         tokens_per_s = self.plan.global_batch_size * self.manifest.seq_len / step_time
+        throughput = {"tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.world_size}
+        if self.peak_flops:  # model FLOPs utilisation (raytrain_ft.model.flops_per_token: PaLM, Appendix B)
+            throughput["mfu"] = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size)
         self.logger.timeline.record(
             step,
             {
                 "loss": loss,
                 "lr": self.scheduler.get_last_lr()[0],
                 "grad_norm": grad_norm,
-                "tokens_per_s": tokens_per_s,
+                **throughput,
                 "step_time_s": step_time,
                 "epoch": self.position.epoch,
                 "checkpoint_stall_s": stall,
@@ -382,11 +388,15 @@ class Trainer:
             self.check_replicas(step)
 
     def check_replicas(self, step: int) -> bool:
-        """Compare weight checksums across ranks; alert on a mismatch. True if consistent."""
-        sums = gather_rows([replica_checksum(self.model)], self.group, dtype=torch.int64)[:, 0]
-        if bool((sums == sums[0]).all()):
+        """Compare the checksums of the same shard across replicas; alert on a mismatch. True if
+        consistent, and under fsdp (no replicas: not applicable, tagged in MLflow at the start)."""
+        if not self.par.has_replicas:
             return True
-        self.alert(step, "replica_mismatch", {"checksums_by_rank": sums.tolist()})
+        row = [self.par.shard_index, replica_checksum(self.par.local_parameters())]
+        rows = gather_rows(row, self.group, dtype=torch.int64)
+        if not replica_mismatch(rows):
+            return True
+        self.alert(step, "replica_mismatch", {"shard_checksum_by_rank": rows.tolist()})
         return False
 
     def alert(self, step: int, kind: str, detail: dict) -> None:

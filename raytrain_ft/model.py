@@ -61,3 +61,15 @@ def lm_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """
     logits = model(input_ids=tokens[:, :-1]).logits
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward): 6·N + 12·L·h·s.
+
+    N is the number of parameters without the input embedding (a lookup, no matmul), L the
+    decoder layers, h the hidden size, s the sequence length; 12·L·h·s counts the attention score
+    and value matmuls (Q·K^T and A·V). Source: Chowdhery et al. 2022, "PaLM", Appendix B (MFU).
+    """
+    c = model.config
+    n = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    return 6 * n + 12 * c.num_hidden_layers * c.hidden_size * seq_len

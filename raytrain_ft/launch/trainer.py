@@ -23,7 +23,9 @@ from raytrain_ft.launch.callbacks import RunRecorder, describe
 from raytrain_ft.launch.tracking_server import history_uri, lasting_path, tracking_store
 from raytrain_ft.launch.worker import train_func
 from raytrain_ft.loop import check_data_fits, fingerprint, raise_if_ended
+from raytrain_ft.memory import check_fits
 from raytrain_ft.model import build_model, model_config
+from raytrain_ft.parallel import mesh_shape, resolve_strategy
 from raytrain_ft.recovery import failures, root_first
 from raytrain_ft.tracking import RunLogger, flatten, resolve_uri, start_or_resume_run
 from raytrain_ft.train_state import RunMeta
@@ -68,6 +70,11 @@ def preflight(cfg: Config) -> None:
     check_data_fits(cfg, manifest)
     lo, hi = cfg.worker_range
     check_world_sizes(cfg.train.global_batch_size, cfg.train.micro_batch_size, range(lo, hi + 1))
+    strategy = resolve_strategy(cfg.parallel, cfg.scaling.use_gpu)
+    for world_size in range(lo, hi + 1):
+        mesh_shape(strategy, world_size, cfg.parallel.shard_size or min(cfg.scaling.gpus_per_node, world_size))
+    if cfg.scaling.use_gpu:
+        check_fits(cfg, manifest.vocab_size, manifest.seq_len)
     need = {"CPU": lo * cfg.scaling.cpus_per_worker, "GPU": lo if cfg.scaling.use_gpu else 0}
     have = ray.cluster_resources()
     for res, amount in need.items():

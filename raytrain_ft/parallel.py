@@ -1,0 +1,212 @@
+"""Data-parallel strategy: DDP, FSDP2 or HSDP. The only module that knows which one runs.
+
+`build(cfg, vocab_size, seq_len, device)` is the single entry (shaped like TorchTitan's
+`parallelize_llama`): it builds the model, applies activation checkpointing, then the strategy,
+then the optimizer, and returns a `Parallel` that answers everything the loop needs
+(forward module, gradient-sync context, clipping, replica layout). The loop never branches on it.
+
+Strategies (`parallel.strategy`):
+
+* `ddp`: every rank holds the full model and optimizer; `DistributedDataParallel` all-reduces
+  gradients once per step (on the last micro-batch). Under `scaling.use_gpu`, bf16 autocast.
+* `fsdp`: PyTorch FSDP2 (`torch.distributed.fsdp.fully_shard`) on every decoder layer and at the
+  root over a 1-D `DeviceMesh` of all ranks: each rank keeps 1/world_size of the parameters,
+  gradients and AdamW moments (as `DTensor` shards); a layer's parameters are all-gathered for its
+  forward and backward and freed after, gradients are reduce-scattered after every micro-batch
+  (so accumulation stays sharded; no `no_sync`, as TorchTitan).
+* `hsdp`: the same over a 2-D mesh `(replicate, shard)` of shape
+  `(world_size / shard_size, shard_size)`, ranks row-major (a shard group is `shard_size`
+  consecutive ranks: one node's GPUs). Parameters are sharded within a group and replicated across
+  groups; gradients are reduce-scattered within the group and all-reduced across replicas.
+* `auto` (default): `fsdp` when `scaling.use_gpu`, `ddp` on CPU (CPU runs are tests and demos,
+  where a full replica per rank is small and DDP is the faster path; see `benchmarks/sharding.py`).
+
+Mixed precision under FSDP/HSDP on GPU: `MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)`: fp32 master weights and AdamW state in the shards, bf16 copies for compute,
+fp32 gradient reduction. On CPU everything is fp32.
+
+Activation checkpointing (`parallel.activation_checkpointing`): each decoder layer is wrapped by
+PyTorch's `checkpoint_wrapper` (non-reentrant `torch.utils.checkpoint`, RNG state preserved so
+dropout is recomputed identically); only the layer inputs are kept, the rest is recomputed in
+backward. State-dict keys are unchanged (`torch.distributed.checkpoint.state_dict` strips the
+wrapper's prefix), so checkpoints move freely between strategies and world sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from raytrain_ft.config import Config, ParallelSection
+from raytrain_ft.errors import ConfigError
+from raytrain_ft.model import build_model
+
+
+def resolve_strategy(p: ParallelSection, use_gpu: bool) -> str:
+    """`ddp`, `fsdp` or `hsdp`: `auto` is `fsdp` on GPUs and `ddp` on CPU."""
+    if p.strategy == "auto":
+        return "fsdp" if use_gpu else "ddp"
+    return p.strategy
+
+
+def mesh_shape(strategy: str, world_size: int, shard_size: int) -> tuple[int, int]:
+    """(replicas, ranks per shard group) of a strategy: ddp (W, 1), fsdp (1, W), hsdp (W / S, S).
+
+    Raises:
+        ConfigError: hsdp with a `shard_size` that does not divide `world_size`.
+    """
+    if strategy == "ddp":
+        return world_size, 1
+    if strategy == "fsdp":
+        return 1, world_size
+    if shard_size < 1 or world_size % shard_size:
+        raise ConfigError(
+            f"parallel.strategy=hsdp needs parallel.shard_size dividing the world size; got shard_size {shard_size} "
+            f"at world size {world_size}; set parallel.shard_size to a divisor (e.g. the GPUs of one node)"
+        )
+    return world_size // shard_size, shard_size
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a `DTensor`, the tensor itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class Parallel:
+    """The wrapped model of one rank and what its strategy means for the loop.
+
+    Attributes:
+        strategy: `ddp`, `fsdp` or `hsdp`.
+        module: call forward on this (the DDP wrapper, or the sharded model itself).
+        model: the model whose state dict is checkpointed (unwrapped under DDP).
+        replicas, shard_size: the mesh shape; `replicas x shard_size == world_size`.
+        shard_index: which shard of the parameters this rank holds (0 under ddp).
+        mixed_precision: bf16 compute (GPU only).
+    """
+
+    strategy: str
+    module: torch.nn.Module
+    model: torch.nn.Module
+    replicas: int
+    shard_size: int
+    shard_index: int
+    mixed_precision: bool
+
+    def micro_batch(self, last: bool) -> contextlib.AbstractContextManager:
+        """Context for one micro-batch's forward and backward. DDP skips its all-reduce unless `last`;
+        DDP on GPU computes under bf16 autocast (FSDP's policy casts the parameters instead)."""
+        stack = contextlib.ExitStack()
+        if self.strategy == "ddp":
+            if not last:
+                stack.enter_context(self.module.no_sync())
+            if self.mixed_precision:
+                stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
+        return stack
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip to a global L2 norm of `max_norm`; return the norm before clipping (a float, NaN/inf kept).
+
+        Under FSDP the gradients are `DTensor` shards: each rank's partial norm is reduced over the
+        mesh (`full_tensor()`, an all-reduce), so every rank gets the same float, and so the same
+        skip decision. As `torchtitan.distributed.utils.clip_grad_norm_`.
+        """
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return float(norm)
+
+    @property
+    def has_replicas(self) -> bool:
+        """False under fsdp: no two ranks hold the same weights, so there is nothing to compare."""
+        return self.replicas > 1
+
+    def tags(self) -> dict[str, str]:
+        """MLflow tags: the strategy, the mesh, and whether the replica fingerprint applies."""
+        return {
+            "parallel.strategy": self.strategy,
+            "parallel.mesh": f"{self.replicas} replicas x {self.shard_size} shards",
+            "replica_fingerprint": "on"
+            if self.has_replicas
+            else "not applicable (fsdp: no two ranks hold the same weights)",
+        }
+
+    def local_parameters(self) -> list[torch.Tensor]:
+        """This rank's parameter tensors (shards under FSDP), in model order."""
+        return [local(p) for p in self.model.parameters()]
+
+
+def build(cfg: Config, vocab_size: int, seq_len: int, device: torch.device) -> tuple[Parallel, torch.optim.Optimizer]:
+    """The model of `cfg.model` wrapped by the strategy, and its AdamW, on every rank of the default group.
+
+    ddp: the model is built on the host with HF's initialisation under seed `train.seed` (identical
+    weights on every rank) and moved to `device`. fsdp/hsdp: it is built on the `meta` device (no
+    memory: a 70B model would need 280 GB of host memory per rank otherwise), sharded, and each
+    rank fills only its shards (`init_sharded`), so no rank ever holds the full model.
+
+    Raises:
+        ConfigError: hsdp with a shard size that does not divide the world size.
+    """
+    strategy = resolve_strategy(cfg.parallel, cfg.scaling.use_gpu)
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    shard_size = cfg.parallel.shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    replicas, shard_size = mesh_shape(strategy, world_size, shard_size)
+    torch.manual_seed(cfg.train.seed)
+    with torch.device("meta" if strategy != "ddp" else "cpu"):
+        model = build_model(cfg.model.preset, vocab_size, seq_len, cfg.model.dropout)
+    if cfg.parallel.activation_checkpointing:
+        layers = model.model.layers
+        for i, layer in enumerate(layers):
+            layers[i] = checkpoint_wrapper(layer)
+    mixed = device.type == "cuda"
+    if strategy == "ddp":
+        model = model.to(device)
+        module = DDP(model, device_ids=[device.index] if mixed else None)
+    else:
+        if strategy == "hsdp":
+            mesh = init_device_mesh(device.type, (replicas, shard_size), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh(device.type, (shard_size,), mesh_dim_names=("shard",))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
+        kwargs = {"mesh": mesh, **({"mp_policy": policy} if policy else {})}
+        for layer in model.model.layers:
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        init_sharded(model, cfg.train.seed, device)
+        module = model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    shard_index = rank % shard_size if strategy != "ddp" else 0
+    return Parallel(strategy, module, model, replicas, shard_size, shard_index, mixed), optimizer
+
+
+@torch.no_grad()
+def init_sharded(model: torch.nn.Module, seed: int, device: torch.device) -> None:
+    """Allocate a meta-built, sharded model on `device` and initialise it as HF Llama does
+    (norm weights 1, every other weight normal(0, `initializer_range`)), one parameter at a time.
+
+    Each parameter's full tensor is drawn from one generator seeded with `seed`, in parameter order,
+    and this rank keeps its shard of it, so the weights do not depend on the world size or the mesh.
+    The rotary embedding's buffers (not parameters, not in checkpoints) are computed again.
+    """
+    model.to_empty(device=device)
+    generator = torch.Generator(device).manual_seed(seed)
+    std = model.config.initializer_range
+    for name, p in model.named_parameters():
+        full = torch.empty(p.shape, device=device)
+        if name.endswith("norm.weight"):
+            full.fill_(1.0)
+        else:
+            full.normal_(0.0, std, generator=generator)
+        p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))
+    model.model.rotary_emb = type(model.model.rotary_emb)(model.config).to(device)

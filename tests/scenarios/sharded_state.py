@@ -1,0 +1,94 @@
+"""Two gloo ranks (torch only, no Ray) load checkpoints under another strategy and measure real state sizes.
+
+Run by tests/test_sharding.py in a subprocess. Usage:
+
+    python sharded_state.py OUT NAME=CHECKPOINT=STRATEGY ... [--bytes PRESET=VOCAB=SEQ_LEN ...]
+
+OUT/result.json always gets {"world_size": 2, ...}.
+
+* `NAME=CHECKPOINT=STRATEGY`: build the tiny model under STRATEGY at 2 ranks (`raytrain_ft.parallel`),
+  load the model and AdamW state of CHECKPOINT into it (DCP, as `Checkpointer.restore` does), gather
+  the full tensors and write them (rank 0) to OUT/NAME.pt, keyed like `conftest.final_state`.
+* `--bytes PRESET=VOCAB=SEQ_LEN`: for ddp and fsdp, one forward/backward/AdamW step, then every
+  rank's summed bytes of its parameters, gradients and optimizer-state tensors (local shards) go to
+  OUT/result.json as {"PRESET/STRATEGY": [[params, grads, optimizer] per rank]}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+from raytrain_ft.config import load_config
+from raytrain_ft.model import lm_loss
+from raytrain_ft.parallel import build, local
+from raytrain_ft.train_state import KEY_MODEL, KEY_OPTIM, ModelState, OptimizerState
+
+WORLD_SIZE = 2
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def load_full(out: str, name: str, checkpoint: str, strategy: str) -> None:
+    cfg = load_config(None, ["model.preset=tiny", f"parallel.strategy={strategy}"])
+    meta = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    vocab, hidden = meta["model.model.embed_tokens.weight"].size
+    par, optimizer = build(cfg, vocab, 32, torch.device("cpu"))
+    dcp.load(
+        {KEY_MODEL: ModelState(par.model), KEY_OPTIM: OptimizerState(par.model, optimizer)}, checkpoint_id=checkpoint
+    )
+    model = get_model_state_dict(par.model, options=FULL)
+    optim, _ = flatten_state_dict(get_optimizer_state_dict(par.model, optimizer, options=FULL))
+    if dist.get_rank() == 0:
+        tensors = {f"optim.{k}": v for k, v in optim.items() if isinstance(v, torch.Tensor)}
+        torch.save({**model, **tensors}, os.path.join(out, f"{name}.pt"))
+
+
+def state_bytes(preset: str, vocab: int, seq_len: int, strategy: str) -> list[int]:
+    cfg = load_config(None, [f"model.preset={preset}", f"parallel.strategy={strategy}"])
+    par, optimizer = build(cfg, vocab, seq_len, torch.device("cpu"))
+    tokens = torch.randint(0, vocab, (1, seq_len + 1))
+    with par.micro_batch(last=True):
+        lm_loss(par.module, tokens).backward()
+    optimizer.step()
+    params = list(par.model.parameters())
+    optim = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return [sum(local(t).numel() * t.element_size() for t in ts) for ts in (params, [p.grad for p in params], optim)]
+
+
+def worker(rank: int, store: str, out: str, loads: list[str], sizes: list[str]) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD_SIZE)
+    for spec in loads:
+        load_full(out, *spec.split("="))
+    measured = {}
+    for spec in sizes:
+        preset, vocab, seq_len = spec.split("=")
+        for strategy in ("ddp", "fsdp"):
+            row = torch.tensor(state_bytes(preset, int(vocab), int(seq_len), strategy))
+            rows = [torch.empty_like(row) for _ in range(WORLD_SIZE)]
+            dist.all_gather(rows, row)
+            measured[f"{preset}/{strategy}"] = [r.tolist() for r in rows]
+    if rank == 0:
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump({"world_size": WORLD_SIZE, **measured}, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    out, args = sys.argv[1], sys.argv[2:]
+    split = args.index("--bytes") if "--bytes" in args else len(args)
+    os.makedirs(out, exist_ok=True)
+    store = os.path.join(tempfile.mkdtemp(), "store")
+    mp.spawn(worker, args=(store, out, args[:split], args[split + 1 :]), nprocs=WORLD_SIZE)
+
+
+if __name__ == "__main__":
+    main()
