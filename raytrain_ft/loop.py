@@ -220,7 +220,7 @@ class Trainer:
         if rng_key(self.rank) not in loaded:  # fresh start, or a rank added by an elastic resize
             seed_rngs(cfg.train.seed + self.progress.step, self.rank)
         self.watchdog.beat(step_done=False)  # restoring a large checkpoint is neither a hang nor a step
-        self.first_step = self.progress.step + 1
+        self.first_step, self.first_batch_at = self.progress.step + 1, 0.0
         self.batches = step_batches(session, self.position, self.plan, self.steps_per_epoch)
         self.save_due = self.preemption_saved = False
         self.stall_seen = 0.0  # checkpointer.stall_s already accounted
@@ -296,6 +296,8 @@ class Trainer:
         self.faults.before_step(step, settle=self.settle)
         t0 = time.perf_counter()
         micro_batches = next(self.batches)
+        if step == self.first_step:
+            self.first_batch_at = time.time()  # a recovery phase (`raytrain_ft.recovery`)
         self.audit.record(step, torch.cat([mb["sample_id"] for mb in micro_batches]))
         local_loss = self.forward_backward(micro_batches, self.faults.loss_factor(step))
         grad_norm = self.par.clip_grad_norm_(self.cfg.train.grad_clip)
@@ -358,7 +360,7 @@ class Trainer:
             current={"last_step": step, "current_step_time_s": step_time},
         )
         if step == self.first_step:
-            self.logger.event("first_step", step=step)
+            self.logger.event("first_step", step=step, first_batch_at=self.first_batch_at)
             self.logger.write_recovery_tables()
         if step % 5 == 0 or step == self.first_step:
             log.info(

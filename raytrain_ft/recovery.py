@@ -6,8 +6,10 @@ Ray's full text per rank, last completed step, step time and world size at
 that moment), `attempt_start` (rank 0 after restore: step resumed from, world size) and
 `first_step` (rank 0 after the first step of an attempt). `recovery_rows` joins them into one row
 per failure: wall time, cause, last completed step, step resumed from, lost steps, lost compute
-(lost steps x the step time at the failure, seconds), downtime (failure to first step after the
-resume, seconds), world size before and after. Guard events (skipped steps, rollbacks, rank alerts,
+(lost steps x the step time at the failure, seconds), the recovery's phases as seconds after the
+failure was detected (`group_ready_s`: the new worker group's process group is up and the loop
+starts; `restored_s`: the checkpoint is loaded; `first_batch_s`: the first batch is ready;
+`downtime_s`: the first step is done), world size before and after. Guard events (skipped steps, rollbacks, rank alerts,
 hangs, corrupt checkpoints) form a second table.
 """
 
@@ -68,6 +70,10 @@ def recovery_rows(events: list[dict]) -> list[dict]:
         first = next((x for x in later if x["kind"] == "first_step" and start and x["time"] >= start["time"]), None)
         resumed = start["resumed_from"] if start else None
         lost = e["last_step"] - resumed if resumed is not None else None
+
+        def since(t: float | None, failed_at: float = e["time"]) -> float | None:
+            return round(t - failed_at, 3) if t is not None else None
+
         rows.append(
             {
                 "failed_at": _iso(e["time"]),
@@ -76,7 +82,10 @@ def recovery_rows(events: list[dict]) -> list[dict]:
                 "resumed_from": resumed,
                 "lost_steps": lost,
                 "lost_compute_s": round(lost * e["step_time_s"], 3) if lost is not None else None,
-                "downtime_s": round(first["time"] - e["time"], 3) if first else None,
+                "group_ready_s": since(start.get("init_started_at") if start else None),
+                "restored_s": since(start["time"] if start else None),
+                "first_batch_s": since(first.get("first_batch_at") if first else None),
+                "downtime_s": since(first["time"] if first else None),
                 "world_size_before": e["world_size"],
                 "world_size_after": start["world_size"] if start else None,
             }

@@ -60,6 +60,8 @@ def test_two_failures_make_two_recovery_rows_and_the_history_cli_prints_them(
     assert [(r["last_step"], r["resumed_from"], r["lost_steps"]) for r in rows] == [(11, 10, 1), (22, 20, 2)]
     assert "rank 1" in rows[0]["cause"] and "InjectedFault" in rows[1]["cause"]
     assert all(r["downtime_s"] > 0 and r["world_size_before"] == r["world_size_after"] == 2 for r in rows)
+    # each recovery's phases in the order they happen (seconds after the failure was detected)
+    assert all(0 < r["group_ready_s"] <= r["restored_s"] <= r["first_batch_s"] <= r["downtime_s"] for r in rows)
     metrics = client.get_run(run_id).data.metrics
     assert metrics["restarts"] == 2 and metrics["lost_steps_total"] == 3
     assert metrics["downtime_s_total"] == pytest.approx(sum(r["downtime_s"] for r in rows))
