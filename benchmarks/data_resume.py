@@ -25,6 +25,7 @@ import ray
 import torch
 
 from raytrain_ft.data.manifest import Manifest
+from raytrain_ft.data.order import steps_per_epoch
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.data.prepare import PrepareSettings, prepare, write_shards
 from raytrain_ft.launch.datasource import rank_micro_batches
@@ -46,7 +47,7 @@ def big_dataset(root: str, min_samples: int) -> tuple[str, Manifest]:
     os.makedirs(out, exist_ok=True)
     import fsspec
 
-    shards = write_shards(fsspec.filesystem("file"), out, tiled.astype(np.int32))
+    shards = write_shards(fsspec.filesystem("file"), out, tiled.astype(np.int32), 512)
     m = Manifest(len(tiled), 256, base.vocab_size, base.eos_token_id, base.tokenizer_file, "bench", shards)
     with open(os.path.join(out, "manifest.json"), "w") as f:
         f.write(m.to_json())
@@ -54,7 +55,7 @@ def big_dataset(root: str, min_samples: int) -> tuple[str, Manifest]:
 
 
 def first_batch_s(path, m, plan, start) -> float:
-    end = (m.num_samples // plan.global_batch_size) * plan.global_batch_size
+    end = steps_per_epoch(m, plan.global_batch_size, plan.micro_batch_size)
     t0 = time.perf_counter()
     it = rank_micro_batches(path, m, 0, 0, start, end, plan, rank=0)
     next(it)
@@ -62,7 +63,7 @@ def first_batch_s(path, m, plan, start) -> float:
 
 
 def loader_tokens_per_s(path, m, plan, batches: int) -> float:
-    end = (m.num_samples // plan.global_batch_size) * plan.global_batch_size
+    end = steps_per_epoch(m, plan.global_batch_size, plan.micro_batch_size)
     it = rank_micro_batches(path, m, 0, 0, 0, end, plan, rank=0)
     next(it)  # pipeline start-up is measured above
     t0 = time.perf_counter()
@@ -93,10 +94,8 @@ def main() -> None:
     path, m = big_dataset(tempfile.mkdtemp(prefix="data-bench-"), args.samples)
     plan = BatchPlan(global_batch_size=64, micro_batch_size=8, world_size=2)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    epoch_len = (m.num_samples // plan.global_batch_size) * plan.global_batch_size
-    starts = {
-        f"{pct}%": (epoch_len * pct // 100) // plan.global_batch_size * plan.global_batch_size for pct in (0, 50, 90)
-    }
+    steps = steps_per_epoch(m, plan.global_batch_size, plan.micro_batch_size)
+    starts = {f"{pct}%": steps * pct // 100 for pct in (0, 50, 90)}
     first_batch_s(path, m, plan, 0)  # warm-up: Ray Data's first pipeline in a process starts its executor
     samples: dict[str, list[float]] = {k: [] for k in starts}
     for _ in range(args.repeats):  # interleaved, so drift affects every start position alike

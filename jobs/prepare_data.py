@@ -17,9 +17,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", default="data/stdlib", help="dataset folder or fsspec URL")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence")
     p.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size")
+    p.add_argument("--rows-per-row-group", type=int, default=512, help="samples per parquet row group (read unit)")
     args = p.parse_args(argv)
+    settings = PrepareSettings(args.seq_len, args.vocab_size, args.rows_per_row_group)
     try:
-        manifest, reused = prepare(args.input, args.output, PrepareSettings(args.seq_len, args.vocab_size))
+        manifest, reused = prepare(args.input, args.output, settings)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import fsspec
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -44,12 +43,10 @@ class LocalSession:
         return False
 
     def micro_batches(self, epoch: int, start: int, stop: int, plan: BatchPlan) -> Iterator[dict[str, torch.Tensor]]:
-        order = EpochOrder(self.data_path, self.manifest, self.seed, epoch)
-        rank, m = dist.get_rank(), plan.micro_batch_size
-        buffered = {"sample_id": np.zeros(0, np.int64), "tokens": np.zeros((0, self.manifest.seq_len + 1), np.int64)}
-        for seg in order.segments(start, stop):
-            rows = plan.rank_rows(order.read(seg), rank)
-            buffered = {k: np.concatenate([buffered[k], rows[k]]) for k in buffered}
-            while len(buffered["sample_id"]) >= m:
-                yield {k: torch.from_numpy(v[:m]) for k, v in buffered.items()}
-                buffered = {k: v[m:] for k, v in buffered.items()}
+        order = EpochOrder(
+            self.data_path, self.manifest, self.seed, epoch, plan.global_batch_size, plan.micro_batch_size
+        )
+        lanes = plan.lanes(dist.get_rank())
+        tables = (order.read([p]) for p in order.pieces(lanes, start, stop))
+        for mb in order.micro_batches(lanes, start, stop, tables):
+            yield {k: torch.from_numpy(v) for k, v in mb.items()}

@@ -22,7 +22,7 @@ from raytrain_ft.checkpoint import Checkpointer, cleanup, list_step_dirs, step_o
 from raytrain_ft.config import Config, TrainSection
 from raytrain_ft.data.audit import DataAudit
 from raytrain_ft.data.manifest import Manifest, load_manifest
-from raytrain_ft.data.order import EpochOrder
+from raytrain_ft.data.order import EpochOrder, steps_per_epoch
 from raytrain_ft.data.position import BatchPlan, DataPosition
 from raytrain_ft.errors import ConfigError, StorageFullError
 from raytrain_ft.faults import FaultInjector
@@ -94,6 +94,7 @@ def fingerprint(cfg: Config, manifest: Manifest, num_params: int) -> dict:
         "seq_len": manifest.seq_len,
         "data.fingerprint": manifest.fingerprint,
         "train.global_batch_size": cfg.train.global_batch_size,
+        "train.micro_batch_size": cfg.train.micro_batch_size,  # the lanes of the data order
         # the data order and the LR schedule: a resumed run must see the same ones
         "train.seed": cfg.train.seed,
         "train.max_steps": cfg.train.max_steps,
@@ -104,7 +105,7 @@ def fingerprint(cfg: Config, manifest: Manifest, num_params: int) -> dict:
 
 
 def check_data_fits(cfg: Config, manifest: Manifest) -> None:
-    """Raises ConfigError when `train.seq_len` disagrees with the dataset or one global batch exceeds it."""
+    """Raises ConfigError when `train.seq_len` disagrees with the dataset or it cannot fill one step."""
     if cfg.train.seq_len not in (0, manifest.seq_len):
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} but the dataset has seq_len {manifest.seq_len}")
     if cfg.train.global_batch_size > manifest.num_samples:
@@ -112,15 +113,15 @@ def check_data_fits(cfg: Config, manifest: Manifest) -> None:
             f"train.global_batch_size={cfg.train.global_batch_size} exceeds the {manifest.num_samples} samples "
             f"of {cfg.data.path}"
         )
+    steps_per_epoch(manifest, cfg.train.global_batch_size, cfg.train.micro_batch_size)
 
 
 def step_batches(session: Session, position: DataPosition, plan: BatchPlan, steps_per_epoch: int) -> Iterator[list]:
     """Endless iterator over steps; each item is this rank's `grad_accum_steps` micro-batches."""
-    epoch, start = position.epoch, position.consumed
-    end = steps_per_epoch * plan.global_batch_size
+    epoch, start = position.epoch, position.consumed // plan.global_batch_size
     while True:
-        micro = session.micro_batches(epoch, start, end, plan)
-        for _ in range((end - start) // plan.global_batch_size):
+        micro = session.micro_batches(epoch, start, steps_per_epoch, plan)
+        for _ in range(steps_per_epoch - start):
             yield [next(micro) for _ in range(plan.grad_accum_steps)]
         epoch, start = epoch + 1, 0
 
@@ -182,7 +183,7 @@ class Trainer:
         self.manifest = load_manifest(cfg.data.path)
         check_data_fits(cfg, self.manifest)
         self.plan = BatchPlan(cfg.train.global_batch_size, cfg.train.micro_batch_size, self.world_size)
-        self.steps_per_epoch = self.manifest.num_samples // self.plan.global_batch_size
+        self.steps_per_epoch = steps_per_epoch(self.manifest, self.plan.global_batch_size, self.plan.micro_batch_size)
 
         self.par, self.optimizer = build(cfg, self.manifest.vocab_size, self.manifest.seq_len, self.device)
         self.scheduler = lr_schedule(self.optimizer, cfg.train)
@@ -491,12 +492,13 @@ class Trainer:
 
     def window_sample_ids(self, steps: int) -> list[int]:
         """Sample ids of the next `steps` global batches from the current position."""
-        ids, pos = [], DataPosition(self.position.epoch, self.position.consumed)
+        ids, pos, g = [], DataPosition(self.position.epoch, self.position.consumed), self.plan.global_batch_size
         for _ in range(steps):
-            order = EpochOrder(self.cfg.data.path, self.manifest, self.cfg.train.seed, pos.epoch)
-            for seg in order.segments(pos.consumed, pos.consumed + self.plan.global_batch_size):
-                ids += order.read(seg).column("sample_id").to_pylist()
-            pos.advance(self.plan.global_batch_size, self.steps_per_epoch)
+            order = EpochOrder(
+                self.cfg.data.path, self.manifest, self.cfg.train.seed, pos.epoch, g, self.plan.micro_batch_size
+            )
+            ids += order.step_sample_ids(pos.consumed // g, pos.consumed // g + 1).reshape(-1).tolist()
+            pos.advance(g, self.steps_per_epoch)
         return ids
 
 

@@ -31,7 +31,7 @@ class Session(Protocol):
         """True once a node of this run is about to be preempted (same answer on every rank)."""
 
     def micro_batches(self, epoch: int, start: int, stop: int, plan: BatchPlan) -> Iterator[dict[str, torch.Tensor]]:
-        """This rank's micro-batches for positions [start, stop) of `epoch`, in order.
+        """This rank's micro-batches for steps [start, stop) of `epoch` (`plan.lanes(rank)` of each step), in order.
 
         Each item: `tokens` int64 (micro_batch_size, seq_len + 1), `sample_id` int64 (micro_batch_size,).
         """

@@ -32,9 +32,12 @@ STDLIB_JSON = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
 
 @pytest.fixture(scope="session")
 def dataset(tmp_path_factory) -> str:
-    """~600 samples of 33 tokens from the stdlib `json` package, vocab 512."""
+    """599 samples of 33 tokens from the stdlib `json` package, vocab 512, row groups of 2 samples.
+
+    Small row groups let the 4-6 lanes of the tests' global batches (`raytrain_ft.data.order`) fill
+    all but `num_samples % global_batch_size` samples of each epoch: 74 steps at global batch 8."""
     out = str(tmp_path_factory.mktemp("data") / "tiny")
-    prepare(STDLIB_JSON, out, PrepareSettings(seq_len=32, vocab_size=512))
+    prepare(STDLIB_JSON, out, PrepareSettings(seq_len=32, vocab_size=512, rows_per_row_group=2))
     return out
 
 

@@ -1,43 +1,111 @@
+from collections import Counter
+
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from raytrain_ft.data.manifest import load_manifest
-from raytrain_ft.data.order import EpochOrder
+from raytrain_ft.data.manifest import Manifest, Shard, load_manifest
+from raytrain_ft.data.order import EpochOrder, steps_per_epoch
 from raytrain_ft.data.position import BatchPlan, DataPosition
 from raytrain_ft.errors import ConfigError
+from raytrain_ft.launch.datasource import rank_datasource
 
 
-def ids(order: EpochOrder, start: int, stop: int) -> np.ndarray:
-    return pa.concat_tables([order.read(s) for s in order.segments(start, stop)]).column("sample_id").to_numpy()
+def order_of(dataset: str, seed: int = 0, epoch: int = 0, global_batch_size: int = 8) -> EpochOrder:
+    return EpochOrder(dataset, load_manifest(dataset), seed, epoch, global_batch_size, micro_batch_size=2)
 
 
 def test_epoch_order_is_a_seeded_permutation(dataset):
     m = load_manifest(dataset)
-    e0 = ids(EpochOrder(dataset, m, seed=0, epoch=0), 0, m.num_samples)
-    assert np.array_equal(np.sort(e0), np.arange(m.num_samples))
-    assert np.array_equal(e0, ids(EpochOrder(dataset, m, seed=0, epoch=0), 0, m.num_samples))
-    assert not np.array_equal(e0, ids(EpochOrder(dataset, m, seed=0, epoch=1), 0, m.num_samples))
-    assert not np.array_equal(e0, ids(EpochOrder(dataset, m, seed=1, epoch=0), 0, m.num_samples))
+    order = order_of(dataset)
+    assert order.steps == steps_per_epoch(m, 8, 2) == 74  # (599 - 3 lanes x 2 rows) // 8
+    e0 = order.step_sample_ids(0, order.steps)
+    assert e0.shape == (74, 8) and len(np.unique(e0)) == 74 * 8 and e0.max() < m.num_samples
+    assert np.array_equal(e0, order_of(dataset).step_sample_ids(0, 74))
+    assert not np.array_equal(e0, order_of(dataset, epoch=1).step_sample_ids(0, 74))
+    assert not np.array_equal(e0, order_of(dataset, seed=1).step_sample_ids(0, 74))
 
 
-@pytest.mark.parametrize("start", [0, 1, 255, 256, 511, 598])
-def test_seek_reads_exactly_the_remaining_positions(dataset, start):
-    m = load_manifest(dataset)
-    order = EpochOrder(dataset, m, seed=3, epoch=2)
-    assert np.array_equal(ids(order, start, m.num_samples), ids(order, 0, m.num_samples)[start:])
-    first = order.segments(start, m.num_samples)[0]
-    assert first.start == start and first.num_rows <= 512  # only the row group holding `start` is sliced
+def row_group_of(dataset: str) -> dict[int, tuple[str, int]]:
+    """sample id -> (file, row group) from the manifest (ids are dense and written in order)."""
+    out, m = {}, load_manifest(dataset)
+    for shard in m.shards:
+        first = shard.first_sample_id
+        for g, n in enumerate(shard.row_group_rows):
+            out.update({i: (shard.file, g) for i in range(first, first + n)})
+            first += n
+    return out
+
+
+@pytest.fixture(scope="module")
+def wide_row_groups(tmp_path_factory) -> str:
+    """600 samples in row groups of 32 (19 row groups), the loader's format."""
+    path = tmp_path_factory.mktemp("wide")
+    n, rows = 600, 32
+    tokens = pa.FixedSizeListArray.from_arrays(pa.array(np.arange(n * 3, dtype=np.int32)), 3)
+    pq.write_table(pa.table({"sample_id": np.arange(n), "tokens": tokens}), path / "s.parquet", row_group_size=rows)
+    groups = [min(rows, n - g) for g in range(0, n, rows)]
+    manifest = Manifest(n, 2, 10, 0, "tokenizer.json", "synthetic", [Shard("s.parquet", 0, n, groups)])
+    (path / "manifest.json").write_text(manifest.to_json())
+    return str(path)
+
+
+def test_global_batches_mix_one_row_group_per_lane(wide_row_groups):
+    order = order_of(wide_row_groups, global_batch_size=8)  # 4 lanes of 2 rows
+    ids = order.step_sample_ids(0, order.steps)
+    assert order.steps == (600 - 3 * 32) // 8
+    distinct = [len(set((step // 32).tolist())) for step in ids]  # row group = sample id // 32
+    assert min(distinct) == 4  # min(global_batch_size / micro_batch_size, 16, row groups)
+
+
+@pytest.mark.parametrize("start", [0, 1, 37, 73])
+def test_seek_reads_exactly_the_remaining_steps(dataset, start):
+    order = order_of(dataset, seed=3, epoch=2)
+    lanes = list(range(order.num_lanes))
+    pieces = order.pieces(lanes, start, order.steps)
+    assert sum(p.num_rows for p in pieces) == (order.steps - start) * 8  # nothing before `start` is read
+    tables = [order.read(pieces)]
+    got = [mb["sample_id"] for mb in order.micro_batches(lanes, start, order.steps, tables)]
+    assert np.array_equal(np.concatenate(got), order.step_sample_ids(0, order.steps)[start:].reshape(-1))
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_ranks_partition_every_global_batch(world_size):
+def test_ranks_partition_every_global_batch(dataset, world_size):
     plan = BatchPlan(global_batch_size=24, micro_batch_size=2, world_size=world_size)
-    positions = np.arange(240)
-    owner = plan.owner(positions)
-    for step in range(10):
-        batch = owner[step * 24 : (step + 1) * 24]
-        assert [int((batch == r).sum()) for r in range(world_size)] == [2 * plan.grad_accum_steps] * world_size
+    order = order_of(dataset, global_batch_size=24)
+    expected = order.step_sample_ids(0, order.steps)
+    per_rank = []
+    for rank in range(world_size):
+        lanes = plan.lanes(rank)
+        tables = [order.read(order.pieces(lanes, 0, order.steps))]
+        ids = [mb["sample_id"] for mb in order.micro_batches(lanes, 0, order.steps, tables)]
+        per_rank.append(np.concatenate(ids).reshape(order.steps, plan.grad_accum_steps * 2))
+    for step in range(order.steps):
+        assert sorted(np.concatenate([r[step] for r in per_rank]).tolist()) == sorted(expected[step].tolist())
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_each_row_group_is_read_by_one_rank_per_epoch(dataset, world_size, monkeypatch):
+    """Counts the parquet row-group reads of every rank's Ray Data read tasks over a whole epoch."""
+    reads: list[tuple[int, int]] = []  # (rank, row group)
+    rank = 0
+    real = pq.ParquetFile.read_row_group
+    monkeypatch.setattr(
+        pq.ParquetFile, "read_row_group", lambda f, i, **kw: reads.append((rank, i)) or real(f, i, **kw)
+    )
+    m = load_manifest(dataset)
+    plan = BatchPlan(global_batch_size=12, micro_batch_size=2, world_size=world_size)
+    steps = steps_per_epoch(m, 12, 2)
+    for rank in range(world_size):
+        for task in rank_datasource(dataset, m, 0, 0, 0, steps, plan, rank).get_read_tasks(1):
+            list(task())
+    per_group = Counter(group for _, group in reads)
+    assert len(m.shards) == 1 and sum(per_group.values()) == len(per_group)  # no row group read twice
+    where = row_group_of(dataset)
+    trained = {where[i][1] for i in order_of(dataset, global_batch_size=12).step_sample_ids(0, steps).flat}
+    assert set(per_group) == trained  # ...and exactly the row groups the epoch trains
+    assert sorted({r for r, _ in reads}) == list(range(world_size))
 
 
 def test_indivisible_split_is_a_config_error():

@@ -8,23 +8,21 @@ import subprocess
 import sys
 
 import numpy as np
-import pyarrow as pa
 
 from conftest import REPO
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.data.manifest import load_manifest
-from raytrain_ft.data.order import EpochOrder
+from raytrain_ft.data.order import EpochOrder, steps_per_epoch
 
 
 def expected_step_ids(dataset: str, steps: int, global_batch_size: int) -> dict[int, list[int]]:
-    """What exactly-once means, computed from the order alone: step s takes positions [s*G, (s+1)*G)."""
+    """What exactly-once means, computed from the order alone: step s takes global batch s of its epoch."""
     m = load_manifest(dataset)
-    per_epoch = m.num_samples // global_batch_size
+    per_epoch = steps_per_epoch(m, global_batch_size, micro_batch_size=2)
     out = {}
     for epoch in range((steps - 1) // per_epoch + 1):
-        order = EpochOrder(dataset, m, seed=0, epoch=epoch)
-        ids = pa.concat_tables([order.read(s) for s in order.segments(0, per_epoch * global_batch_size)])
-        ids = ids.column("sample_id").to_numpy().reshape(per_epoch, global_batch_size)
+        order = EpochOrder(dataset, m, 0, epoch, global_batch_size, micro_batch_size=2)
+        ids = order.step_sample_ids(0, per_epoch)
         for i in range(per_epoch):
             out[epoch * per_epoch + i + 1] = sorted(ids[i].tolist())
     return {s: out[s] for s in range(1, steps + 1)}

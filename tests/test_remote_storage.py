@@ -60,6 +60,8 @@ def test_s3_data_and_checkpoints_resume_to_the_local_weights(tmp_path, s3_env, r
             "32",
             "--vocab-size",
             "512",
+            "--rows-per-row-group",
+            "2",
         ],
         capture_output=True,
         text=True,

@@ -2,23 +2,21 @@
 
 The position is `(epoch, consumed)`: global samples consumed in the current epoch. It never
 mentions ranks, so a checkpoint resumes at any world size. Step `s` of an epoch consumes the
-global positions `[s*G, (s+1)*G)` of that epoch's order (`G = global_batch_size`). Inside a global
-batch, offset `o` belongs to micro-batch `m = o // micro_batch_size`; micro-batch `m` goes to rank
-`m % world_size` as its accumulation step `m // world_size`. Each rank therefore sees
+global batch `s` of that epoch's order (`G = global_batch_size`): one micro-batch from each of the
+`G / micro_batch_size` lanes of `raytrain_ft.data.order`. Lane (micro-batch slot) `j` goes to rank
+`j % world_size` as its accumulation step `j // world_size`. Each rank therefore sees
 `grad_accum_steps` micro-batches per step, and the union over ranks is exactly the global batch,
 whatever the world size.
 
-Epoch end: an epoch has `num_samples // G` steps; the last `num_samples % G` positions of each
-epoch's order are dropped (a different set every epoch, since the order is re-permuted), so every
-step trains on a full global batch and resume at the boundary needs no carried-over state.
+Epoch end: an epoch has `steps_per_epoch` full steps (`raytrain_ft.data.order`); the samples the
+lanes hold beyond them are not trained in that epoch (a different set every epoch, since the order
+is re-permuted), so every step trains on a full global batch and resume at the boundary needs no
+carried-over state.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import numpy as np
-import pyarrow as pa
 
 from raytrain_ft.errors import ConfigError
 
@@ -48,22 +46,9 @@ class BatchPlan:
     def grad_accum_steps(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.world_size)
 
-    def owner(self, positions: np.ndarray) -> np.ndarray:
-        """Rank that consumes each global position (int64 array -> int64 array)."""
-        return ((positions % self.global_batch_size) // self.micro_batch_size) % self.world_size
-
-    def rank_rows(self, rows: pa.Table, rank: int) -> dict[str, np.ndarray]:
-        """Keep `rank`'s rows of an ordered block (columns position, sample_id, tokens).
-
-        Returns `sample_id` int64 (n,) and `tokens` int64 (n, seq_len + 1), in order.
-        """
-        rows = rows.filter(pa.array(self.owner(rows.column("position").to_numpy()) == rank))
-        tokens = rows.column("tokens").combine_chunks()
-        flat = tokens.flatten().to_numpy() if len(rows) else np.zeros(0, np.int32)
-        return {
-            "sample_id": rows.column("sample_id").to_numpy(),
-            "tokens": flat.astype(np.int64).reshape(len(rows), tokens.type.list_size),
-        }
+    def lanes(self, rank: int) -> list[int]:
+        """The lanes (micro-batch slots, `raytrain_ft.data.order`) `rank` trains, in accumulation order."""
+        return list(range(rank, self.global_batch_size // self.micro_batch_size, self.world_size))
 
 
 def check_world_sizes(global_batch_size: int, micro_batch_size: int, world_sizes: range) -> None:

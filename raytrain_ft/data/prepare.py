@@ -36,7 +36,6 @@ EOS = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl", ".parquet")
 SAMPLES_PER_SHARD = 8192
-ROWS_PER_ROW_GROUP = 512
 ENCODE_BATCH = 256  # documents per tokenizer call (it parallelises inside a batch)
 
 
@@ -44,6 +43,7 @@ ENCODE_BATCH = 256  # documents per tokenizer call (it parallelises inside a bat
 class PrepareSettings:
     seq_len: int = 256
     vocab_size: int = 8192
+    rows_per_row_group: int = 512  # the unit the loader reads; see raytrain_ft.data.order for smaller ones
 
 
 def default_corpus() -> str:
@@ -148,8 +148,8 @@ def pack(documents: list[str], tok: Tokenizer, seq_len: int) -> np.ndarray:
     return stream[: n * (seq_len + 1)].reshape(n, seq_len + 1)
 
 
-def write_shards(fs, folder: str, samples: np.ndarray) -> list[Shard]:
-    """Write `samples` as parquet shards of `SAMPLES_PER_SHARD` rows, row groups of `ROWS_PER_ROW_GROUP`."""
+def write_shards(fs, folder: str, samples: np.ndarray, rows_per_row_group: int) -> list[Shard]:
+    """Write `samples` as parquet shards of `SAMPLES_PER_SHARD` rows, row groups of `rows_per_row_group`."""
     shards = []
     for first in range(0, len(samples), SAMPLES_PER_SHARD):
         chunk = samples[first : first + SAMPLES_PER_SHARD]
@@ -161,8 +161,8 @@ def write_shards(fs, folder: str, samples: np.ndarray) -> list[Shard]:
             }
         )
         with fs.open(f"{folder}/{name}", "wb") as f:
-            pq.write_table(table, f, row_group_size=ROWS_PER_ROW_GROUP)
-        groups = [min(ROWS_PER_ROW_GROUP, len(chunk) - g) for g in range(0, len(chunk), ROWS_PER_ROW_GROUP)]
+            pq.write_table(table, f, row_group_size=rows_per_row_group)
+        groups = [min(rows_per_row_group, len(chunk) - g) for g in range(0, len(chunk), rows_per_row_group)]
         shards.append(Shard(name, first, len(chunk), groups))
     return shards
 
@@ -174,8 +174,11 @@ def prepare(input_pattern: str | None, output: str, settings: PrepareSettings) -
         DataError: no input files, no non-empty document, unreadable input, or a corpus too
             small for one sequence.
     """
-    if settings.seq_len < 1 or settings.vocab_size < 257:
-        raise DataError(f"need --seq-len >= 1 and --vocab-size >= 257 (the byte alphabet + EOS), got {settings}")
+    if settings.seq_len < 1 or settings.vocab_size < 257 or settings.rows_per_row_group < 1:
+        raise DataError(
+            f"need --seq-len >= 1, --vocab-size >= 257 (the byte alphabet + EOS) and --rows-per-row-group >= 1, "
+            f"got {settings}"
+        )
     files = list_inputs(input_pattern or default_corpus())
     fp = fingerprint(files, settings)
     try:
@@ -207,7 +210,7 @@ def prepare(input_pattern: str | None, output: str, settings: PrepareSettings) -
         eos_token_id=tok.token_to_id(EOS),
         tokenizer_file=TOKENIZER_FILE,
         fingerprint=fp,
-        shards=write_shards(fs, out, samples),
+        shards=write_shards(fs, out, samples, settings.rows_per_row_group),
     )
     with fs.open(f"{out}/manifest.json", "w") as f:  # written last: it marks the dataset complete
         f.write(manifest.to_json())

@@ -1,9 +1,9 @@
-"""Ray Data input that starts at a checkpointed position (Ray Data iterators keep none).
+"""Ray Data input that starts at a checkpointed step (Ray Data iterators keep none).
 
-`EpochDatasource` turns positions `[start, stop)` of an epoch's deterministic order
-(`raytrain_ft.data.order`) into one read task per row-group segment; `rank_micro_batches` keeps
-this rank's rows (`BatchPlan.owner`) and streams them as torch micro-batches with prefetch, in
-order.
+`EpochDatasource` turns the row-group pieces one rank trains (`EpochOrder.pieces` of the rank's
+lanes, `raytrain_ft.data.order`) into read tasks of consecutive pieces: each row group of the epoch
+is read by one rank only. `rank_micro_batches` streams the blocks in order with prefetch and assembles
+them into this rank's micro-batches.
 """
 
 from __future__ import annotations
@@ -16,38 +16,49 @@ from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from raytrain_ft.data.manifest import Manifest
-from raytrain_ft.data.order import EpochOrder
+from raytrain_ft.data.order import EpochOrder, Piece
 from raytrain_ft.data.position import BatchPlan
 
 READ_CPUS = 0.1  # fractional: on a 2-CPU node the training workers hold most of the CPUs
+PREFETCH_BLOCKS = 4  # read tasks' blocks read ahead of training
+ROWS_PER_READ_TASK = 512  # consecutive pieces share a read task (and its opened files) up to this many rows
 
 
 class EpochDatasource(Datasource):
-    def __init__(self, order: EpochOrder, start: int, stop: int):
-        self.order, self.segments = order, order.segments(start, stop)
+    def __init__(self, order: EpochOrder, pieces: list[Piece]):
+        self.order, self.pieces = order, pieces
 
     def estimate_inmemory_data_size(self) -> int | None:
         return None
 
     def get_read_tasks(self, parallelism: int, per_task_row_limit=None, data_context=None) -> list[ReadTask]:
-        order = self.order
-        return [
-            ReadTask(lambda seg=seg: [order.read(seg)], BlockMetadata(seg.num_rows, None, None, None))
-            for seg in self.segments
-        ]
+        order, tasks, group = self.order, [], []
+        for piece in self.pieces:
+            group.append(piece)
+            if sum(p.num_rows for p in group) >= ROWS_PER_READ_TASK or piece is self.pieces[-1]:
+                rows = sum(p.num_rows for p in group)
+                tasks.append(ReadTask(lambda g=group: [order.read(g)], BlockMetadata(rows, None, None, None)))
+                group = []
+        return tasks
+
+
+def rank_datasource(
+    path: str, manifest: Manifest, seed: int, epoch: int, start: int, stop: int, plan: BatchPlan, rank: int
+) -> EpochDatasource:
+    """The read tasks of `rank` for steps [start, stop) of `epoch`: the pieces of its lanes only."""
+    order = EpochOrder(path, manifest, seed, epoch, plan.global_batch_size, plan.micro_batch_size)
+    return EpochDatasource(order, order.pieces(plan.lanes(rank), start, stop))
 
 
 def rank_micro_batches(
     path: str, manifest: Manifest, seed: int, epoch: int, start: int, stop: int, plan: BatchPlan, rank: int
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """This rank's micro-batches of positions [start, stop) of `epoch`, built with Ray Data."""
+    """This rank's micro-batches of steps [start, stop) of `epoch`, read with Ray Data."""
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False  # per-worker bars flood the job log
-    ds = ray.data.read_datasource(
-        EpochDatasource(EpochOrder(path, manifest, seed, epoch), start, stop), num_cpus=READ_CPUS
-    )
-    ds = ds.map_batches(
-        plan.rank_rows, fn_kwargs={"rank": rank}, batch_format="pyarrow", batch_size=None, num_cpus=READ_CPUS
-    )
-    yield from ds.iter_torch_batches(batch_size=plan.micro_batch_size, prefetch_batches=4, drop_last=False)
+    source = rank_datasource(path, manifest, seed, epoch, start, stop, plan, rank)
+    ds = ray.data.read_datasource(source, num_cpus=READ_CPUS)
+    tables = ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=PREFETCH_BLOCKS)
+    for mb in source.order.micro_batches(plan.lanes(rank), start, stop, tables):
+        yield {k: torch.from_numpy(v) for k, v in mb.items()}
