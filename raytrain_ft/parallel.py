@@ -116,9 +116,10 @@ class Parallel:
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip to a global L2 norm of `max_norm`; return the norm before clipping (a float, NaN/inf kept).
 
-        Under FSDP the gradients are `DTensor` shards: each rank's partial norm is reduced over the
-        mesh (`full_tensor()`, an all-reduce), so every rank gets the same float, and so the same
-        skip decision. As `torchtitan.distributed.utils.clip_grad_norm_`.
+        Under FSDP the gradients are `DTensor` shards: `get_total_norm` reduces the shards' partial
+        norms over the mesh (a collective), so every rank gets the same float, and so the same skip
+        decision; `full_tensor()` turns the result into a plain tensor. As
+        `torchtitan.distributed.utils.clip_grad_norm_`.
         """
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])

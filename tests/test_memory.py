@@ -42,6 +42,15 @@ def test_planned_state_bytes_equal_the_real_tensors(measured, preset, strategy):
         assert sum(row[0] for row in measured[f"{preset}/fsdp"]) == measured[f"{preset}/ddp"][0][0]
 
 
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_fsdp_grad_norm_is_the_global_one_on_every_rank(measured, preset):
+    """Each rank trained on its own tokens and holds half of the gradient: under FSDP every rank's
+    clipping norm (and so its skip decision) is the same float, the norm over all shards, as every
+    DDP replica's is."""
+    fsdp, ddp = measured[f"grad_norm/{preset}/fsdp"], measured[f"grad_norm/{preset}/ddp"]
+    assert fsdp[0] == fsdp[1] > 0 and ddp[0] == ddp[1] > 0
+
+
 @pytest.mark.parametrize("name", ["gpu-7b", "gpu-70b"])
 def test_shipped_gpu_configs_fit_their_node_type(name):
     cfg = load_config(os.path.join(REPO, "configs", f"{name}.yaml"))

@@ -9,9 +9,11 @@ OUT/result.json always gets {"world_size": 2, ...}.
 * `NAME=CHECKPOINT=STRATEGY`: build the tiny model under STRATEGY at 2 ranks (`raytrain_ft.parallel`),
   load the model and AdamW state of CHECKPOINT into it (DCP, as `Checkpointer.restore` does), gather
   the full tensors and write them (rank 0) to OUT/NAME.pt, keyed like `conftest.final_state`.
-* `--bytes PRESET=VOCAB=SEQ_LEN`: for ddp and fsdp, one forward/backward/AdamW step, then every
+* `--bytes PRESET=VOCAB=SEQ_LEN`: for ddp and fsdp, one forward/backward (each rank its own
+  tokens, the same under both strategies), `Parallel.clip_grad_norm_`, one AdamW step, then every
   rank's summed bytes of its parameters, gradients and optimizer-state tensors (local shards) go to
-  OUT/result.json as {"PRESET/STRATEGY": [[params, grads, optimizer] per rank]}.
+  OUT/result.json as {"PRESET/STRATEGY": [[params, grads, optimizer] per rank]}, and the grad norm
+  each rank got as {"grad_norm/PRESET/STRATEGY": [norm per rank]}.
 """
 
 from __future__ import annotations
@@ -52,16 +54,18 @@ def load_full(out: str, name: str, checkpoint: str, strategy: str) -> None:
         torch.save({**model, **tensors}, os.path.join(out, f"{name}.pt"))
 
 
-def state_bytes(preset: str, vocab: int, seq_len: int, strategy: str) -> list[int]:
+def state_bytes(preset: str, vocab: int, seq_len: int, strategy: str) -> tuple[list[int], float]:
     cfg = load_config(None, [f"model.preset={preset}", f"parallel.strategy={strategy}"])
     par, optimizer = build(cfg, vocab, seq_len, torch.device("cpu"))
-    tokens = torch.randint(0, vocab, (1, seq_len + 1))
+    tokens = torch.randint(0, vocab, (1, seq_len + 1), generator=torch.Generator().manual_seed(dist.get_rank()))
     with par.micro_batch(last=True):
         lm_loss(par.module, tokens).backward()
+    norm = par.clip_grad_norm_(1e9)  # no clipping: the gradients keep their size for the byte count
     optimizer.step()
     params = list(par.model.parameters())
     optim = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    return [sum(local(t).numel() * t.element_size() for t in ts) for ts in (params, [p.grad for p in params], optim)]
+    sizes = [sum(local(t).numel() * t.element_size() for t in ts) for ts in (params, [p.grad for p in params], optim)]
+    return sizes, norm
 
 
 def worker(rank: int, store: str, out: str, loads: list[str], sizes: list[str]) -> None:
@@ -72,10 +76,11 @@ def worker(rank: int, store: str, out: str, loads: list[str], sizes: list[str]) 
     for spec in sizes:
         preset, vocab, seq_len = spec.split("=")
         for strategy in ("ddp", "fsdp"):
-            row = torch.tensor(state_bytes(preset, int(vocab), int(seq_len), strategy))
-            rows = [torch.empty_like(row) for _ in range(WORLD_SIZE)]
-            dist.all_gather(rows, row)
-            measured[f"{preset}/{strategy}"] = [r.tolist() for r in rows]
+            sizes, norm = state_bytes(preset, int(vocab), int(seq_len), strategy)
+            rows = [None] * WORLD_SIZE
+            dist.all_gather_object(rows, (sizes, norm))
+            measured[f"{preset}/{strategy}"] = [r[0] for r in rows]
+            measured[f"grad_norm/{preset}/{strategy}"] = [r[1] for r in rows]
     if rank == 0:
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump({"world_size": WORLD_SIZE, **measured}, f)
