@@ -1,11 +1,15 @@
-"""Steps/s with every guard and MLflow tracking on, against the bare DDP step, side by side.
+"""Steps/s of the full training step (guards, MLflow, a fingerprint interval and a save) against the bare DDP step.
 
 Two gloo ranks (torch.multiprocessing, no Ray: `raytrain_ft.local_session.LocalSession`), the
 `small` preset on the stdlib corpus (prepared into data/stdlib if missing). Each rank builds one
-`Trainer`; rounds alternate `--steps` bare steps (forward/backward, clip, AdamW; nothing else)
-with `--steps` full steps (`Trainer.step`: spike guard and its all-reduce, rank check every 10
-steps, replica checksum every 50, MLflow metrics every step, fault/checkpoint bookkeeping; no
-checkpoint is due). Target: guarded/bare steps/s >= 0.97. Prints JSON and writes
+`Trainer`. A round runs `--steps` bare steps (forward/backward, clip, AdamW; nothing else) and
+`--steps` full steps (`Trainer.step`: spike guard and its all-reduce, rank check every 10 steps, a
+replica fingerprint every 5, MLflow metrics every step, and one asynchronous checkpoint per round,
+started at the round's first full step, whose write must finish inside the round). The order of
+the two variants is drawn per round (seeded), so neither always runs first on a warm or a cold
+machine. Each round gives one paired ratio (full / bare steps/s); rounds continue until the 95 %
+confidence half-width of the mean ratio (Student t) is below `--resolve` (0.01) or `--max-rounds`.
+Target: full/bare >= 0.97, with a half-width smaller than that 3 % effect. Prints JSON and writes
 benchmarks/results/guard_overhead.json.
 """
 
@@ -13,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -21,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from scipy import stats
 
 from raytrain_ft.config import load_config
 from raytrain_ft.data.prepare import PrepareSettings, prepare
@@ -42,25 +49,48 @@ def worker(rank: int, args, cfg, uri: str, run_id: str, store: str, out: str) ->
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     t = Trainer(cfg, LocalSession(os.path.join(cfg.run.storage_path, cfg.run.name), cfg.data.path, 0), uri, run_id)
-    bare, guarded = [], []
-    for _ in range(args.rounds):
-        for runner, times in ((lambda: bare_step(t), bare), (t.step, guarded)):
+    for _ in range(args.steps - 1):  # warm-up, and the next full round starts at a checkpoint step
+        t.step()
+    t.checkpointer.wait()
+
+    rng = random.Random(0)  # the same draws on both ranks
+    rounds, stop = [], torch.zeros(1)
+    while not stop.item():
+        order = [("bare", lambda: bare_step(t)), ("full", t.step)]
+        rng.shuffle(order)
+        steps_per_s = {}
+        for name, runner in order:
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 runner()
+            if name == "full":
+                t.checkpointer.wait()  # the round's save is charged to its round, never to the next
             dist.barrier()
-            times.append(args.steps / (time.perf_counter() - t0))
+            steps_per_s[name] = args.steps / (time.perf_counter() - t0)
+        rounds.append({"first": order[0][0], **steps_per_s, "ratio": steps_per_s["full"] / steps_per_s["bare"]})
+        if rank == 0:
+            n = len(rounds)
+            stop[0] = n >= args.max_rounds or (n >= args.min_rounds and half_width(rounds) < args.resolve)
+        dist.broadcast(stop, src=0)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"bare": bare, "guarded": guarded}, f)
+            json.dump(rounds, f)
     dist.destroy_process_group()
+
+
+def half_width(rounds: list[dict]) -> float:
+    """95 % confidence half-width of the mean paired ratio (Student t, n - 1 degrees of freedom)."""
+    ratios = [r["ratio"] for r in rounds]
+    return float(stats.t.ppf(0.975, len(ratios) - 1) * statistics.stdev(ratios) / math.sqrt(len(ratios)))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=10, help="steps per variant per round")
+    p.add_argument("--min-rounds", type=int, default=10)
+    p.add_argument("--max-rounds", type=int, default=60)
+    p.add_argument("--resolve", type=float, default=0.01, help="stop once the ratio's 95%% half-width is below this")
     p.add_argument("--data", default="data/stdlib")
     p.add_argument("--out", default=default_out("guard_overhead"))
     args = p.parse_args()
@@ -76,7 +106,8 @@ def main() -> None:
             "train.global_batch_size=4",
             "train.micro_batch_size=2",
             "train.max_steps=100000",
-            "checkpoint.interval_steps=100000",
+            f"checkpoint.interval_steps={args.steps}",
+            "guards.fingerprint.interval_steps=5",
         ],
     )
     uri = f"sqlite:///{tmp}/mlflow.db"
@@ -84,19 +115,23 @@ def main() -> None:
     raw = os.path.join(tmp, "raw.json")
     mp.spawn(worker, args=(args, cfg, uri, run_id, os.path.join(tmp, "store"), raw), nprocs=2)
     with open(raw) as f:
-        times = json.load(f)
-    bare, guarded = statistics.median(times["bare"]), statistics.median(times["guarded"])
+        rounds = json.load(f)
+    ratio = statistics.mean(r["ratio"] for r in rounds)
     result = {
         "preset": "small",
         "world_size": 2,
         "global_batch_size": 4,
         "seq_len": 256,
         "steps_per_round": args.steps,
-        "rounds": args.rounds,
-        "bare_steps_per_s": bare,
-        "guarded_steps_per_s": guarded,
-        "guarded_over_bare": guarded / bare,
-        "per_round": times,
+        "rounds": len(rounds),
+        "saves_per_round": 1,
+        "fingerprint_interval_steps": 5,
+        "bare_steps_per_s": statistics.median(r["bare"] for r in rounds),
+        "full_steps_per_s": statistics.median(r["full"] for r in rounds),
+        "full_over_bare": ratio,
+        "full_over_bare_95ci_half_width": half_width(rounds),
+        "full_first_rounds": sum(r["first"] == "full" for r in rounds),
+        "per_round": rounds,
         "target": 0.97,
     }
     report(result, args.out)

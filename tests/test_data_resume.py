@@ -7,11 +7,8 @@ import os
 import numpy as np
 import pyarrow.compute as pc
 import pytest
-import torch
-from mlflow.tracking import MlflowClient
 
-from conftest import make_config
-from raytrain_ft.checkpoint import load_model_state_dict, step_path
+from conftest import assert_resumed, assert_same_state, final_state, make_config, metric_by_step
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import EpochOrder
@@ -37,7 +34,7 @@ def epoch_prefix(dataset: str, epoch: int, steps: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def two_worker_epoch(tmp_path_factory, dataset):
-    """Uninterrupted 2-worker run over one whole epoch: 599 samples // 12 = 49 steps."""
+    """Uninterrupted 2-worker run over one whole epoch: 599 samples // 12 = 49 steps; its ids per step and LRs."""
     cfg = make_config(
         tmp_path_factory.mktemp("ws-ref"),
         dataset,
@@ -46,8 +43,8 @@ def two_worker_epoch(tmp_path_factory, dataset):
         "train.global_batch_size=12",
         "data.audit=true",
     )
-    run(cfg)
-    return ids_by_step(cfg)
+    run_id = run(cfg)
+    return ids_by_step(cfg), metric_by_step(cfg, run_id, "lr")
 
 
 @pytest.mark.parametrize("new_world_size", [1, 3])
@@ -63,15 +60,17 @@ def test_resume_at_another_world_size_keeps_every_step(tmp_path, dataset, two_wo
         run(make_config(tmp_path, dataset, *common, "failure.max_failures=0"))
     cfg = make_config(tmp_path, dataset, *common, f"scaling.num_workers={new_world_size}")
     run_id = run(cfg)
+    attempts = assert_resumed(cfg.tracking.uri, run_id, [0, 20])  # resumed, not re-run from 0
+    assert [a["world_size"] for a in attempts] == [2, new_world_size]
+    ref_ids, ref_lrs = two_worker_epoch
     steps = ids_by_step(cfg)
-    assert steps == two_worker_epoch  # each step's set of ids equals the 2-worker run's
+    assert steps == ref_ids  # each step's set of ids equals the 2-worker run's
+    assert metric_by_step(cfg, run_id, "lr") == ref_lrs  # the schedule continues as if nothing changed
     consumed = [i for ids in steps.values() for i in ids]
     assert len(consumed) == len(set(consumed)) == 49 * 12  # no repeats, and only the 11 epoch-tail ids dropped
     audit = read_audit(root(cfg))
     late = audit.filter(pc.greater(audit.column("step"), 20))
     assert sorted(set(late.column("rank").to_pylist())) == list(range(new_world_size))
-    sizes = [m.value for m in MlflowClient(cfg.tracking.uri).get_metric_history(run_id, "world_size")]
-    assert sizes == [2, new_world_size]
 
 
 def test_resume_at_epoch_boundary_and_mid_second_epoch(tmp_path, dataset):
@@ -82,11 +81,9 @@ def test_resume_at_epoch_boundary_and_mid_second_epoch(tmp_path, dataset):
     faults = "faults=[{kind: kill, step: 75, rank: 0}, {kind: kill, step: 115, rank: 1}]"
     cfg = make_config(tmp_path / "faulty", dataset, "run.name=epochs", *common, faults)
     run_id = run(cfg)
-    resumed = sorted(m.value for m in MlflowClient(cfg.tracking.uri).get_metric_history(run_id, "resumed_from_step"))
-    assert resumed == [0, 74, 111]  # exactly at the boundary, then 37 steps into epoch 2
+    assert_resumed(cfg.tracking.uri, run_id, [0, 74, 111])  # exactly at the boundary, then 37 steps into epoch 2
     assert read_audit(root(cfg)).equals(read_audit(root(ref)))
-    a, b = load_model_state_dict(step_path(root(cfg), 120)), load_model_state_dict(step_path(root(ref), 120))
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_state(final_state(cfg, 120), final_state(ref, 120))
 
     steps = ids_by_step(cfg)
     epoch0 = [i for s in range(1, 75) for i in steps[s]]

@@ -8,8 +8,9 @@ import subprocess
 import sys
 
 import numpy as np
+from scenarios.elastic import elastic_config
 
-from conftest import REPO
+from conftest import COMMITTED, REPO, assert_resumed, metric_by_step, uninterrupted_lrs
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import EpochOrder, steps_per_epoch
@@ -38,12 +39,17 @@ def test_preemption_then_shrink_on_node_loss_then_grow_back(tmp_path, dataset):
     )
     assert r.returncode == 0, r.stderr[-4000:]
     outcome = json.loads(r.stdout.strip().splitlines()[-1])
-    assert outcome["events"] == ["removed", "added"]
-    assert outcome["world_sizes"] == [2, 1, 2]  # start, after the node loss, after it came back
-    # the preemption notice made a just-in-time checkpoint, and the shrunk group resumed from it: nothing lost
+    assert outcome["events"] == ["removed", "added"] and outcome["finished"]
+    # the preemption notice made a just-in-time checkpoint and the shrunk group resumed from it
+    # (nothing lost); the grown-back group resumed from a later commit, not from 0
     [preempted_at] = outcome["preemption_steps"]
     assert preempted_at > 20
-    assert preempted_at in outcome["resumed_from"]
+    cfg, run_id = elastic_config(dataset, str(tmp_path)), outcome["run_id"]
+    attempts = assert_resumed(cfg.tracking.uri, run_id, [0, preempted_at, COMMITTED])
+    assert [a["world_size"] for a in attempts] == [2, 1, 2]  # start, after the node loss, after it came back
+    assert attempts[2]["resumed_from"] >= preempted_at
+    # grad_accum_steps changed twice; the LR schedule continued as in an uninterrupted run
+    assert metric_by_step(cfg, run_id, "lr") == uninterrupted_lrs(cfg.train)
 
     audit = read_audit(str(tmp_path / "runs" / "elastic"))
     steps, ids = audit.column("step").to_numpy(), audit.column("sample_id").to_numpy()

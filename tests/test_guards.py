@@ -9,25 +9,16 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from conftest import make_config
+from conftest import assert_resumed, assert_same_state, events, final_state, make_config
 from raytrain_ft.checkpoint import load_model_state_dict, step_path
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.launch.trainer import run
-from raytrain_ft.tracking import RunLogger
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 
 def root(cfg) -> str:
     return os.path.join(cfg.run.storage_path, cfg.run.name)
-
-
-def events(cfg, run_id: str, kind: str) -> list[dict]:
-    return [e for e in RunLogger(cfg.tracking.uri, run_id).events() if e["kind"] == kind]
-
-
-def resumed(cfg, run_id: str) -> list[float]:
-    return sorted(m.value for m in MlflowClient(cfg.tracking.uri).get_metric_history(run_id, "resumed_from_step"))
 
 
 def weights(cfg, step: int) -> dict[str, torch.Tensor]:
@@ -43,12 +34,12 @@ def test_one_rank_spikes_are_skipped_everywhere_and_history_survives_restart(tmp
     history = ["guards.spike.window=20", "guards.spike.warmup=20"]
     cfg = make_config(tmp_path, dataset, "train.max_steps=50", "guards.fingerprint.interval_steps=5", *history, faults)
     run_id = run(cfg)
-    assert resumed(cfg, run_id) == [0, 35]
-    skips = events(cfg, run_id, "skipped_step")
+    assert_resumed(cfg.tracking.uri, run_id, [0, 35])
+    skips = events(cfg.tracking.uri, run_id, "skipped_step")
     assert [e["step"] for e in skips] == [30, 45]  # the 45 skip needs the 20-step history from the checkpoint
     assert all(e["grad_norm"] > 10 * e["median"] for e in skips)
     assert MlflowClient(cfg.tracking.uri).get_run(run_id).data.metrics["skipped_steps"] == 2
-    assert events(cfg, run_id, "replica_mismatch") == []  # replicas identical, checked every 5 steps
+    assert events(cfg.tracking.uri, run_id, "replica_mismatch") == []  # replicas identical, checked every 5 steps
     assert all(torch.isfinite(w).all() for w in weights(cfg, 50).values())
 
 
@@ -77,7 +68,10 @@ def clean_60(tmp_path_factory, dataset):
 
 def test_clean_run_raises_no_alert(clean_60):
     cfg, run_id = clean_60
-    assert events(cfg, run_id, "rank_spread") == [] and events(cfg, run_id, "replica_mismatch") == []
+    assert (
+        events(cfg.tracking.uri, run_id, "rank_spread") == []
+        and events(cfg.tracking.uri, run_id, "replica_mismatch") == []
+    )
     assert "restarts" not in MlflowClient(cfg.tracking.uri).get_run(run_id).data.metrics
 
 
@@ -90,21 +84,22 @@ def test_bitflip_is_detected_and_the_run_restarts_from_a_clean_checkpoint(tmp_pa
         "faults=[{kind: bitflip, step: 42, rank: 1}]",
     )
     run_id = run(cfg)
-    assert [e["step"] for e in events(cfg, run_id, "replica_mismatch")] == [45]
-    assert resumed(cfg, run_id) == [0, 40]
-    a, b = weights(cfg, 60), weights(clean_cfg, 60)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [e["step"] for e in events(cfg.tracking.uri, run_id, "replica_mismatch")] == [45]
+    assert_resumed(cfg.tracking.uri, run_id, [0, 40])
+    assert_same_state(final_state(cfg, 60), final_state(clean_cfg, 60))
 
 
 def test_rank_check_flags_a_tenfold_loss_and_nan_is_skipped(tmp_path, dataset):
     faults = "faults=[{kind: spike, step: 10, rank: 1, factor: 10.0}, {kind: nan, step: 15, rank: 0}]"
     cfg = make_config(tmp_path, dataset, "train.max_steps=20", "guards.rank_check.interval_steps=1", faults)
     run_id = run(cfg)
-    alerts = events(cfg, run_id, "rank_spread")
+    alerts = events(cfg.tracking.uri, run_id, "rank_spread")
     assert [a["step"] for a in alerts] == [10]
     loss_by_rank = [row[0] for row in alerts[0]["loss_grad_norm_by_rank"]]
     assert loss_by_rank[1] > 5 * loss_by_rank[0]
-    assert [e["step"] for e in events(cfg, run_id, "skipped_step")] == [15]  # NaN on rank 0, skipped on both
+    assert [e["step"] for e in events(cfg.tracking.uri, run_id, "skipped_step")] == [
+        15
+    ]  # NaN on rank 0, skipped on both
     assert all(torch.isfinite(w).all() for w in weights(cfg, 20).values())
 
 
@@ -112,7 +107,7 @@ def test_persistent_spikes_roll_back_and_skip_the_data_window(tmp_path, dataset)
     faults = "faults=[{kind: spike, step: 120, rank: -1, steps: 5}]"
     cfg = make_config(tmp_path, dataset, "train.max_steps=130", "data.audit=true", faults)
     run_id = run(cfg)
-    rollbacks = events(cfg, run_id, "rollback")
+    rollbacks = events(cfg.tracking.uri, run_id, "rollback")
     assert len(rollbacks) == 1
     assert rollbacks[0]["at_step"] == 124 and rollbacks[0]["to_step"] == 115  # last checkpoint before step 120
     skipped = set(rollbacks[0]["skipped_sample_ids"])

@@ -11,7 +11,17 @@ import sys
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import make_config, metric_by_step
+from conftest import (
+    assert_kept_timeline,
+    assert_resumed,
+    assert_same_state,
+    events,
+    final_state,
+    make_config,
+    metric_by_step,
+    run_root,
+)
+from raytrain_ft.data.audit import read_audit
 from raytrain_ft.launch.tracking_server import mlflow_server
 from raytrain_ft.launch.trainer import RunFailed, run
 from raytrain_ft.loss_plot import loss_figure
@@ -42,14 +52,20 @@ def tracking_server(tmp_path_factory):
 
 
 def test_two_failures_make_two_recovery_rows_and_the_history_cli_prints_them(
-    tmp_path, dataset, tracking_server, monkeypatch
+    tmp_path, dataset, tracking_server, monkeypatch, reference
 ):
     faults = "faults=[{kind: kill, step: 12, rank: 1}, {kind: raise, step: 23, rank: 0}]"
-    cfg = make_config(tmp_path, dataset, "run.name=rec", "train.max_steps=30", faults)
+    cfg = make_config(tmp_path, dataset, "run.name=rec", "train.max_steps=30", "data.audit=true", faults)
     cfg.tracking.uri = ""  # MLflow's own variable names the server, for the job and the CLI
     monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_server)
     run_id = run(cfg)
     cfg.tracking.uri = tracking_server  # for the helpers below
+    # a kill and an exception: still bitwise the uninterrupted run, every step on the same sample ids
+    ref_cfg, ref_run, ref_state = reference
+    assert_resumed(cfg.tracking.uri, run_id, [0, 10, 20])
+    assert_same_state(final_state(cfg, 30), ref_state)
+    assert read_audit(run_root(cfg)).equals(read_audit(run_root(ref_cfg)))
+    assert_kept_timeline(cfg, run_id, ref_cfg, ref_run, discarded=[11, 21, 22])
     client = MlflowClient(tracking_server)
     experiment = client.get_experiment_by_name("raytrain-ft")
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # the UI's training view
@@ -112,7 +128,8 @@ def test_a_hung_rank_dumps_its_stacks_and_the_group_restarts(tmp_path, dataset):
     faults = "faults=[{kind: hang, step: 8, rank: 1, seconds: 600}]"
     cfg = make_config(tmp_path, dataset, "train.max_steps=15", "failure.hang_timeout_s=20", faults)
     run_id = run(cfg)
-    hangs = [e for e in RunLogger(cfg.tracking.uri, run_id).events() if e["kind"] == "hang"]
+    assert_resumed(cfg.tracking.uri, run_id, [0, 5])
+    hangs = events(cfg.tracking.uri, run_id, "hang")
     # rank 1 sleeps inside its step; rank 0, blocked in the next all-reduce, may time out too
     hung = {h["rank"]: h for h in hangs}
     assert 1 in hung and set(hung) <= {0, 1}

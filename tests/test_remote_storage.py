@@ -12,11 +12,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
+from mlflow.tracking import MlflowClient
 from moto.server import ThreadedMotoServer
 
-from conftest import REPO, STDLIB_JSON, run_root
-from raytrain_ft.checkpoint import load_model_state_dict, step_path
+from conftest import REPO, STDLIB_JSON, assert_resumed, assert_same_state, checkpoint_state
+from raytrain_ft.checkpoint import step_path
 
 
 def free_port() -> int:
@@ -88,9 +88,12 @@ def test_s3_data_and_checkpoints_resume_to_the_local_weights(tmp_path, s3_env, r
         timeout=600,
     )
     assert job.returncode == 0, job.stderr[-3000:]
-    remote = load_model_state_dict(step_path("s3://rtft/runs/s3", 30))
-    expected = load_model_state_dict(step_path(run_root(reference[0]), 30))  # the local-storage run
-    assert remote.keys() == expected.keys() and all(torch.equal(remote[k], expected[k]) for k in remote)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    [mlflow_run] = MlflowClient(uri).search_runs(
+        [MlflowClient(uri).get_experiment_by_name("raytrain-ft").experiment_id]
+    )
+    assert_resumed(uri, mlflow_run.info.run_id, [0, 10])  # restored from s3://, not re-run from 0
+    assert_same_state(checkpoint_state(step_path("s3://rtft/runs/s3", 30)), reference[2])  # the local-storage run
     import s3fs
 
     steps = sorted(p.rsplit("/", 1)[-1] for p in s3fs.S3FileSystem().ls("rtft/runs/s3") if "/step-" in p)

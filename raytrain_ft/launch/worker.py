@@ -80,7 +80,7 @@ class RaySession:
         try:
             with fsspec.open(f"{self.run_root.rstrip('/')}/{COMMIT_ACK_FILE}", "r") as f:
                 return f.read()
-        except FileNotFoundError:
+        except OSError:  # not written yet, or (object stores: s3fs FileExpired) replaced while being read
             return None
 
     def preemption_pending(self) -> bool:
