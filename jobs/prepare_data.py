@@ -1,33 +1,54 @@
-"""Prepare a pretraining dataset: `python jobs/prepare_data.py --input GLOB --output DIR`.
+"""Prepare a pretraining dataset on Ray Data: `python jobs/prepare_data.py --input GLOB --output DIR`.
 
-Defaults: the running Python's standard library sources, `data/stdlib`, seq_len 256, vocab 8192.
-Exit status 2 with a one-line message on bad input.
+Defaults: the running Python's standard library sources, `data/stdlib`, seq_len 256, a trained
+byte-level BPE of 8192 tokens. Connects to the cluster in `RAY_ADDRESS` (under `ray job submit`),
+otherwise starts a local Ray instance. Ray Data's progress bars, then one line: documents, tokens,
+samples, shards, tokens dropped, tokens/s. Exit status 2 with a one-line message on bad input.
 """
 
 import argparse
+import logging
 import sys
 
 from raytrain_ft.data.prepare import PrepareSettings, prepare
 from raytrain_ft.errors import UserError
 
+# Ray Data logs a worker's exception with its stack before re-raising it; the one line below says it.
+QUIET_LOGGERS = ("ray.data.exceptions", "ray.data._internal.execution.streaming_executor_state")
+
 
 def main(argv: list[str] | None = None) -> int:
+    d = PrepareSettings()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--input", default=None, help="file, folder, glob or fsspec URL (default: stdlib sources)")
     p.add_argument("--output", default="data/stdlib", help="dataset folder or fsspec URL")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence")
-    p.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size")
-    p.add_argument("--rows-per-row-group", type=int, default=512, help="samples per parquet row group (read unit)")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per training sequence")
+    p.add_argument("--tokenizer", default=None, help="a Hugging Face tokenizer.json (default: train a BPE)")
+    p.add_argument("--eos-token", default=None, help="with --tokenizer: its EOS token (default: found in the file)")
+    p.add_argument("--vocab-size", type=int, default=d.vocab_size, help="vocabulary of a trained tokenizer")
+    p.add_argument(
+        "--tokenizer-sample-docs", type=int, default=d.tokenizer_sample_docs, help="documents a BPE trains on"
+    )
+    p.add_argument("--rows-per-row-group", type=int, default=d.rows_per_row_group, help="samples per row group")
+    p.add_argument("--seed", type=int, default=d.seed, help="document shuffle seed")
     args = p.parse_args(argv)
-    settings = PrepareSettings(args.seq_len, args.vocab_size, args.rows_per_row_group)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    settings = PrepareSettings(
+        seq_len=args.seq_len,
+        vocab_size=args.vocab_size,
+        rows_per_row_group=args.rows_per_row_group,
+        tokenizer=args.tokenizer,
+        eos_token=args.eos_token,
+        tokenizer_sample_docs=args.tokenizer_sample_docs,
+        seed=args.seed,
+    )
     try:
-        manifest, reused = prepare(args.input, args.output, settings)
+        report = prepare(args.input, args.output, settings)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    verb = "reused" if reused else "wrote"
-    shape = f"{manifest.num_samples} samples x {manifest.seq_len + 1} tokens"
-    print(f"{verb} {args.output}: {shape}, vocab {manifest.vocab_size}")
+    print(report.line(args.output))
     return 0
 
 

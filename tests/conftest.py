@@ -31,7 +31,7 @@ STDLIB_JSON = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
 
 
 @pytest.fixture(scope="session")
-def dataset(tmp_path_factory) -> str:
+def dataset(tmp_path_factory, ray_local) -> str:
     """599 samples of 33 tokens from the stdlib `json` package, vocab 512, row groups of 2 samples.
 
     Small row groups let the 4-6 lanes of the tests' global batches (`raytrain_ft.data.order`) fill

@@ -1,61 +1,122 @@
+"""Preparation on Ray Data: inputs, a given tokenizer, local and S3 output, bad inputs (one line, exit 2)."""
+
+from __future__ import annotations
+
+import gzip
 import json
 import os
 import subprocess
 import sys
 
+import fsspec
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tokenizers import Tokenizer
+import ray
+from test_remote_storage import s3_env  # noqa: F401  (fixture: the local S3 server)
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from conftest import REPO, STDLIB_JSON
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.prepare import PrepareSettings, prepare
 from raytrain_ft.errors import DataError
 
+pytestmark = pytest.mark.usefixtures("ray_local")
 
-def test_samples_dense_unique_fixed_length(dataset):
+
+def doc(i: int) -> str:
+    return f"def function_{i}(x):\n    return x * {i} + {i * 7}\n" * (3 + i % 5)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[str, str, list[str]]:
+    """Two jsonl.gz files, one parquet file, and a tokenizer.json whose EOS is `</s>`."""
+    root = tmp_path_factory.mktemp("corpus")
+    docs = [doc(i) for i in range(60)]
+    for k, part in enumerate((docs[:25], docs[25:45])):
+        with gzip.open(root / f"part-{k}.jsonl.gz", "wt") as f:
+            f.writelines(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(part))
+    pq.write_table(pa.table({"text": docs[45:]}), root / "part-2.parquet")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(
+        docs, trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"], initial_alphabet=alphabet)
+    )
+    tokenizer = str(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+    tok.save(tokenizer)
+    return str(root), tokenizer, docs
+
+
+def check_dataset(url: str, tokenizer: str, docs: list[str]) -> None:
+    m = load_manifest(url)
+    given = Tokenizer.from_file(tokenizer)
+    eos = given.token_to_id("</s>")
+    assert (m.vocab_size, m.eos_token_id, m.seq_len) == (given.get_vocab_size(), eos, 16)
+    assert m.documents == len(docs)
+    assert m.tokens == sum(len(given.encode(d).ids) + 1 for d in docs)  # each document + its EOS
+    assert m.dropped_tokens == m.tokens - m.num_samples * 17 and 0 <= m.dropped_tokens < 17 * 2
+    fs, base = fsspec.core.url_to_fs(url)
+    rows = []
+    for s in m.shards:
+        with fs.open(f"{base}/{s.file}", "rb") as f:
+            table = pq.read_table(f)
+        assert len(table) == s.num_samples == sum(s.row_group_rows)
+        rows.append(np.stack(table.column("tokens").to_numpy(zero_copy_only=False)))
+    assert sum(len(r) for r in rows) == m.num_samples
+    with fs.open(f"{base}/{m.tokenizer_file}", "r") as f:
+        saved = Tokenizer.from_str(f.read())
+    text = "def round_trip(y):\n    return y\n"
+    assert saved.decode(saved.encode(text).ids) == text
+    stream = np.concatenate([r.reshape(-1) for r in rows]).tolist()
+    cuts = [i for i, t in enumerate(stream) if t == eos]
+    pieces = [saved.decode(stream[a + 1 : b]) for a, b in zip(cuts, cuts[1:], strict=False)]
+    assert len(pieces) >= len(docs) // 2 and all(p in docs for p in pieces)  # EOS between whole documents
+
+
+def test_given_tokenizer_jsonl_gz_and_parquet_to_a_local_folder(tmp_path, corpus):
+    root, tokenizer, docs = corpus
+    out = tmp_path / "out"
+    out.mkdir()  # what a crashed run leaves: its marker and a partial shard
+    (out / "PREPARING").write_text("another fingerprint")
+    (out / "shard-000007.parquet").write_bytes(b"partial")
+    settings = PrepareSettings(seq_len=16, tokenizer=tokenizer, rows_per_row_group=8)
+    report = prepare(root, str(out), settings)
+    assert not report.reused
+    check_dataset(str(out), tokenizer, docs)
+    assert "PREPARING" not in os.listdir(out) and "shard-000007.parquet" not in os.listdir(out)
+    assert {s.file for s in report.manifest.shards} | {"manifest.json", "tokenizer.json"} == set(os.listdir(out))
+    mtime = os.path.getmtime(out / "manifest.json")
+    again = prepare(root, str(out), settings)
+    assert again.reused and again.manifest == report.manifest and os.path.getmtime(out / "manifest.json") == mtime
+    other = prepare(root, str(out), PrepareSettings(seq_len=8, tokenizer=tokenizer, rows_per_row_group=8))
+    assert not other.reused and other.manifest.fingerprint != report.manifest.fingerprint
+    assert load_manifest(str(out)).seq_len == 8
+
+
+def test_samples_dense_fixed_length_with_eos(dataset):
     m = load_manifest(dataset)
+    assert m.shards[0].first_sample_id == 0
+    assert [s.first_sample_id for s in m.shards[1:]] == list(np.cumsum([s.num_samples for s in m.shards])[:-1])
     tables = [pq.read_table(os.path.join(dataset, s.file)) for s in m.shards]
-    ids = np.concatenate([t.column("sample_id").to_numpy() for t in tables])
-    assert np.array_equal(np.sort(ids), np.arange(m.num_samples))
-    assert sum(len(t) for t in tables) == m.num_samples == sum(s.num_samples for s in m.shards)
+    assert sum(len(t) for t in tables) == m.num_samples == sum(s.num_samples for s in m.shards) == 599
     for t, s in zip(tables, m.shards, strict=True):
-        assert t.column("tokens").type.list_size == m.seq_len + 1 == 33
-        assert t.column("sample_id")[0].as_py() == s.first_sample_id
+        assert t.column_names == ["tokens"] and t.column("tokens").type.list_size == m.seq_len + 1 == 33
         assert pq.ParquetFile(os.path.join(dataset, s.file)).metadata.num_row_groups == len(s.row_group_rows)
     tokens = np.stack(tables[0].column("tokens").to_numpy(zero_copy_only=False))
     assert tokens.max() < m.vocab_size and (tokens == m.eos_token_id).any()
+    assert m.dropped_tokens / m.tokens <= 0.01
 
 
-def test_rerun_reuses_and_new_settings_replace(tmp_path):
-    out = str(tmp_path / "ds")
-    first, reused = prepare(STDLIB_JSON, out, PrepareSettings(seq_len=32, vocab_size=300))
-    assert not reused
-    mtime = os.path.getmtime(os.path.join(out, "shard-00000.parquet"))
-    again, reused = prepare(STDLIB_JSON, out, PrepareSettings(seq_len=32, vocab_size=300))
-    assert reused and again == first and os.path.getmtime(os.path.join(out, "shard-00000.parquet")) == mtime
-    other, reused = prepare(STDLIB_JSON, out, PrepareSettings(seq_len=16, vocab_size=300))
-    assert not reused and other.seq_len == 16 and other.fingerprint != first.fingerprint
-    with open(os.path.join(out, "manifest.json")) as f:
-        assert json.load(f)["seq_len"] == 16
-    assert sorted(os.listdir(out)) == ["manifest.json", "shard-00000.parquet", "tokenizer.json"]
-
-
-def test_jsonl_and_parquet_inputs(tmp_path):
-    import pyarrow as pa
-
-    (tmp_path / "a.jsonl").write_text(
-        "\n".join(json.dumps({"text": "def f(x):\n    return x * 2\n" * 20}) for _ in range(5))
-    )
-    pq.write_table(pa.table({"text": ["class A:\n    pass\n" * 30] * 4}), tmp_path / "b.parquet")
-    m, _ = prepare(str(tmp_path), str(tmp_path / "out"), PrepareSettings(seq_len=16, vocab_size=300))
-    # each reader contributed all of its documents: decode the packed stream (samples in id order)
-    table = pa.concat_tables([pq.read_table(tmp_path / "out" / s.file) for s in m.shards]).sort_by("sample_id")
-    stream = np.concatenate(table.column("tokens").to_numpy(zero_copy_only=False)).tolist()
-    text = Tokenizer.from_file(str(tmp_path / "out" / m.tokenizer_file)).decode(stream)
-    assert text.count("return x * 2") == 5 * 20  # a.jsonl: 5 documents
-    assert text.count("class A:") >= 3 * 30  # b.parquet: 4 documents (the stream's cut tail may end inside the last)
+def test_given_tokenizer_to_s3(corpus, s3_env):  # noqa: F811
+    root, tokenizer, docs = corpus
+    settings = PrepareSettings(seq_len=16, tokenizer=tokenizer, rows_per_row_group=8)
+    # Ray's workers started before the S3 server: this prepare runs in a task carrying its environment
+    remote = ray.remote(prepare).options(runtime_env={"env_vars": s3_env}, num_cpus=0)
+    report = ray.get(remote.remote(root, "s3://rtft/data/given", settings))
+    assert not report.reused
+    check_dataset("s3://rtft/data/given", tokenizer, docs)
 
 
 def run_prepare(*args):
@@ -63,29 +124,62 @@ def run_prepare(*args):
         [sys.executable, os.path.join(REPO, "jobs", "prepare_data.py"), *args],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
     )
+
+
+def one_line_error(tmp_path, files: dict[str, bytes], *extra: str) -> str:
+    """Prepare a corpus of `files` with the CLI; return its one error line (exit status 2, no dataset)."""
+    src = tmp_path / "in"
+    src.mkdir()
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    out = tmp_path / "out"
+    r = run_prepare("--input", str(src), "--output", str(out), "--seq-len", "16", "--vocab-size", "300", *extra)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert not (out / "manifest.json").exists()
+    return r.stderr.strip().splitlines()[-1]
 
 
 def test_no_matching_files_is_one_line_error(tmp_path):
     r = run_prepare("--input", str(tmp_path / "nothing" / "*.txt"), "--output", str(tmp_path / "o"))
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        f"error: no input files match {tmp_path}/nothing/*.txt (supported: .txt, .md, .py, .jsonl, .parquet)"
+        f"error: no input files match {tmp_path}/nothing/*.txt "
+        "(supported: .txt, .md, .py, .jsonl, .jsonl.gz, .jsonl.zst, .parquet)"
     ]
 
 
-def test_empty_documents_is_one_line_error(tmp_path):
-    (tmp_path / "a.txt").write_text("   \n")
-    r = run_prepare("--input", str(tmp_path / "*.txt"), "--output", str(tmp_path / "o"))
-    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: all 1 input files")
-    assert "Traceback" not in r.stderr  # progress-bar lines may precede the one error line
+def test_a_jsonl_line_without_text_is_one_line_and_exit_2(tmp_path):
+    lines = json.dumps({"text": doc(1)}) + "\n" + json.dumps({"body": "no text"}) + "\n"
+    line = one_line_error(tmp_path, {"a.jsonl.gz": gzip.compress(lines.encode())})
+    assert line == f"error: {tmp_path}/in/a.jsonl.gz line 2 is not a JSON object with a 'text' field"
 
 
-def test_unreadable_parquet_raises_data_error(tmp_path):
-    (tmp_path / "bad.parquet").write_bytes(b"not a parquet file")
-    with pytest.raises(DataError, match="cannot read .*bad.parquet as parquet"):
-        prepare(str(tmp_path / "*.parquet"), str(tmp_path / "o"), PrepareSettings(seq_len=16, vocab_size=300))
+@pytest.mark.parametrize(
+    "files, tokenizer, message",
+    [
+        ({"a.jsonl.gz": b"\x1f\x8b\x08\x00 definitely not gzip"}, None, r"a.jsonl.gz is not a valid gzip file"),
+        ({"a.txt": doc(1).encode()}, b"{not json", r"cannot parse .*tokenizer.json as a Hugging Face tokenizer.json"),
+        ({"a.txt": b"   \n", "b.jsonl": b""}, None, r"all 2 input files matching .* are empty"),
+    ],
+    ids=["corrupt-gz", "bad-tokenizer", "empty-corpus"],
+)
+def test_bad_input_is_a_data_error_and_leaves_no_dataset(tmp_path, files, tokenizer, message):
+    src = tmp_path / "in"
+    src.mkdir()
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    if tokenizer is not None:
+        (tmp_path / "tokenizer.json").write_bytes(tokenizer)
+    settings = PrepareSettings(
+        seq_len=16, vocab_size=300, tokenizer=str(tmp_path / "tokenizer.json") if tokenizer else None
+    )
+    with pytest.raises(DataError, match=message):
+        prepare(str(src), str(tmp_path / "out"), settings)
+    assert not (tmp_path / "out" / "manifest.json").exists()
 
 
 def test_output_folder_that_is_not_a_dataset_is_never_deleted(tmp_path):

@@ -1,9 +1,10 @@
 """`manifest.json`: what a prepared dataset holds and where each sample lives.
 
-A dataset folder (local path or fsspec URL) contains parquet shards with columns `sample_id`
-(int64, dense 0..N-1) and `tokens` (list<int32> of length `seq_len + 1`), the tokenizer file, and
-this manifest. Each shard is split into row groups; a row group is the unit the loader permutes and
-reads (see `raytrain_ft.data.order`).
+A dataset folder (local path or fsspec URL) contains parquet shards with one column, `tokens`
+(fixed-size list<int32> of length `seq_len + 1`), the tokenizer file, and this manifest. Sample ids
+are dense 0..N-1: a shard's rows are `first_sample_id`, `first_sample_id + 1`, ... in file order.
+Each shard is split into row groups; a row group is the unit the loader permutes and reads (see
+`raytrain_ft.data.order`).
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ class Manifest:
     vocab_size: int
     eos_token_id: int
     tokenizer_file: str
-    fingerprint: str  # sha256 of the input files' contents and the preparation settings
+    fingerprint: str  # sha256 of the inputs' identities, the tokenizer and the settings (raytrain_ft.data.prepare)
     shards: list[Shard]
+    documents: int = 0  # non-empty input documents
+    tokens: int = 0  # their tokens, one EOS per document included
+    dropped_tokens: int = 0  # tokens cut at the end of each packed batch (not in any sample)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)

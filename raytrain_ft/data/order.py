@@ -84,7 +84,12 @@ class EpochOrder:
         self.path, self.seed, self.epoch = path.rstrip("/"), seed, epoch
         self.micro_batch_size, self.num_lanes = micro_batch_size, global_batch_size // micro_batch_size
         self.steps = steps_per_epoch(manifest, global_batch_size, micro_batch_size)
-        self.blocks = [(s.file, g, n) for s in manifest.shards for g, n in enumerate(s.row_group_rows)]
+        # (file, row group, rows, sample id of its first row)
+        self.blocks = [
+            (s.file, g, n, s.first_sample_id + sum(s.row_group_rows[:g]))
+            for s in manifest.shards
+            for g, n in enumerate(s.row_group_rows)
+        ]
         lanes: list[list[int]] = [[] for _ in range(self.num_lanes)]
         lightest = [(0, j) for j in range(self.num_lanes)]
         for b in np.random.default_rng([seed, epoch]).permutation(len(self.blocks)):
@@ -115,12 +120,15 @@ class EpochOrder:
         tables, files = [], {}
         with contextlib.ExitStack() as stack:
             for piece in pieces:
-                file, group, rows = self.blocks[piece.block]
+                file, group, rows, first_id = self.blocks[piece.block]
                 if file not in files:
                     files[file] = pq.ParquetFile(stack.enter_context(fsspec.open(f"{self.path}/{file}", "rb")))
-                table = files[file].read_row_group(group, columns=["sample_id", "tokens"])
-                perm = np.random.default_rng([self.seed, self.epoch, piece.block]).permutation(rows)
-                table = table.take(pa.array(perm[piece.lo : piece.hi]))
+                table = files[file].read_row_group(group, columns=["tokens"])
+                perm = np.random.default_rng([self.seed, self.epoch, piece.block]).permutation(rows)[
+                    piece.lo : piece.hi
+                ]
+                table = table.take(pa.array(perm))
+                table = table.add_column(0, "sample_id", pa.array(first_id + perm.astype(np.int64)))
                 tables.append(table.add_column(0, "lane", pa.array(np.full(piece.num_rows, piece.lane, np.int32))))
         return pa.concat_tables(tables)
 

@@ -19,7 +19,11 @@ from raytrain_ft.data.manifest import Manifest
 from raytrain_ft.data.order import EpochOrder, Piece
 from raytrain_ft.data.position import BatchPlan
 
-READ_CPUS = 0.1  # fractional: on a 2-CPU node the training workers hold most of the CPUs
+# Read tasks declare no CPU. Ray Data reserves CPUs per pipeline from what the cluster has left
+# beside the training workers, split in whole CPUs among concurrent pipelines: with one pipeline
+# per rank and fewer free CPUs than ranks each pipeline got 0 and warned "Cluster resources are
+# not enough to run any task". A rank's reads are I/O and decoding for its own training process.
+READ_CPUS = 0
 PREFETCH_BLOCKS = 4  # read tasks' blocks read ahead of training
 ROWS_PER_READ_TASK = 512  # consecutive pieces share a read task (and its opened files) up to this many rows
 
