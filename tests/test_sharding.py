@@ -54,7 +54,7 @@ def test_fsdp_run_resumes_bitwise_after_a_kill_and_skips_a_one_rank_nan_everywhe
     # skip all-reduce raises ReplicaMismatchError), in both runs
     for c, r in ((cfg, run_id), (ref_cfg, ref_run)):
         assert [e["step"] for e in events(c.tracking.uri, r, "skipped_step")] == [8]
-    tags = MlflowClient(cfg.tracking.uri).get_run(ref_run).data.tags
+    tags = MlflowClient(ref_cfg.tracking.uri).get_run(ref_run).data.tags
     assert tags["parallel.strategy"] == "fsdp" and tags["replica_fingerprint"].startswith("not applicable")
 
 
