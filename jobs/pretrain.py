@@ -37,13 +37,15 @@ def main(argv: list[str] | None = None) -> int:
         init_ray(args.num_cpus)
         run_id = run(cfg)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        message, status = f"error: {e}", 2
     except Terminated as e:
-        print(f"run {cfg.run.name} {e}; its MLflow run is KILLED; submit the job again to resume it", file=sys.stderr)
-        return 128 + signal.SIGTERM
-    print(f"run {cfg.run.name} finished; MLflow run id {run_id}")
-    return 0
+        message = f"run {cfg.run.name} {e}; its MLflow run is KILLED; submit the job again to resume it"
+        status = 128 + signal.SIGTERM
+    else:
+        message, status = f"run {cfg.run.name} finished; MLflow run id {run_id}", 0
+    ray.shutdown()  # stops Ray's forwarded worker logs, so the job's last line is this one
+    print(message, file=sys.stderr if status else sys.stdout)
+    return status
 
 
 if __name__ == "__main__":

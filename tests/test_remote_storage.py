@@ -41,7 +41,7 @@ def s3_env(monkeypatch):
     import s3fs
 
     s3fs.S3FileSystem.clear_instance_cache()
-    s3fs.S3FileSystem().mkdir("rtft")
+    s3fs.S3FileSystem().makedirs("rtft", exist_ok=True)  # moto's state is per process: test_prepare may have made it
     yield env
     server.stop()
 
