@@ -67,6 +67,7 @@ class ScalingSection:
     gpu_type: str = "A100-40GB"  # A100-40GB / A100-80GB / H100 / H200: memory for the memory plan, peak for mfu
     gpus_per_node: int = 8  # GPUs of one node: hsdp's default shard size in the memory plan, host staging per node
     peak_tflops_per_device: float = 0.0  # dense bf16 peak of one GPU for mfu; 0 = the gpu_type's
+    resize_check_interval_s: float = 60.0  # elastic: seconds between Ray Train's checks for nodes to grow back onto
 
 
 @dataclass

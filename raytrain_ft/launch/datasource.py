@@ -23,7 +23,11 @@ from raytrain_ft.data.position import BatchPlan
 # beside the training workers, split in whole CPUs among concurrent pipelines: with one pipeline
 # per rank and fewer free CPUs than ranks each pipeline got 0 and warned "Cluster resources are
 # not enough to run any task". A rank's reads are I/O and decoding for its own training process.
+# A 0-CPU task has no resource bound, so READ_CONCURRENCY bounds it: without it Ray Data started
+# every read task of the epoch at once, each in a new Python worker process (raylet: "40 PYTHON
+# worker processes have been started"), which starved the node and stalled elastic restarts.
 READ_CPUS = 0
+READ_CONCURRENCY = 2  # read tasks in flight per rank
 PREFETCH_BLOCKS = 4  # read tasks' blocks read ahead of training
 ROWS_PER_READ_TASK = 512  # consecutive pieces share a read task (and its opened files) up to this many rows
 
@@ -62,7 +66,7 @@ def rank_micro_batches(
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False  # per-worker bars flood the job log
     source = rank_datasource(path, manifest, seed, epoch, start, stop, plan, rank)
-    ds = ray.data.read_datasource(source, num_cpus=READ_CPUS)
+    ds = ray.data.read_datasource(source, num_cpus=READ_CPUS, concurrency=READ_CONCURRENCY)
     tables = ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=PREFETCH_BLOCKS)
     for mb in source.order.micro_batches(plan.lanes(rank), start, stop, tables):
         yield {k: torch.from_numpy(v) for k, v in mb.items()}

@@ -192,6 +192,7 @@ def _fit(cfg: Config, uri: str) -> str:
             num_workers=lo if lo == hi else (lo, hi),
             use_gpu=cfg.scaling.use_gpu,
             resources_per_worker={"CPU": cfg.scaling.cpus_per_worker, **({"GPU": 1} if cfg.scaling.use_gpu else {})},
+            elastic_resize_monitor_interval_s=cfg.scaling.resize_check_interval_s,
         ),
         torch_config=TorchConfig(
             backend="nccl" if cfg.scaling.use_gpu else "gloo", timeout_s=cfg.failure.collective_timeout_s

@@ -45,6 +45,8 @@ def elastic_config(dataset: str, workdir: str) -> Config:
             "train.global_batch_size=8",
             "checkpoint.interval_steps=10",
             "scaling.num_workers=[1,2]",
+            # Ray's default 60 s between grow-back checks can outlast the ~50 s of training left after the shrink
+            "scaling.resize_check_interval_s=5",
             "scaling.cpus_per_worker=0.8",  # one worker per 1-CPU node, 0.2 CPU left for Ray Data
             "failure.max_failures=5",
             "data.audit=true",
