@@ -95,6 +95,17 @@ def test_given_tokenizer_jsonl_gz_and_parquet_to_a_local_folder(tmp_path, corpus
     assert load_manifest(str(out)).seq_len == 8
 
 
+def test_jsonl_zst_and_plain_jsonl_inputs(tmp_path, corpus):
+    _, tokenizer, docs = corpus
+    src = tmp_path / "in"
+    src.mkdir()
+    with pa.CompressedOutputStream(str(src / "a.jsonl.zst"), "zstd") as f:
+        f.write("".join(json.dumps({"text": d}) + "\n" for d in docs[:30]).encode())
+    (src / "b.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[30:]))
+    prepare(str(src), str(tmp_path / "out"), PrepareSettings(seq_len=16, tokenizer=tokenizer, rows_per_row_group=8))
+    check_dataset(str(tmp_path / "out"), tokenizer, docs)  # 60 documents, their exact token count
+
+
 def test_samples_dense_fixed_length_with_eos(dataset):
     m = load_manifest(dataset)
     assert m.shards[0].first_sample_id == 0
@@ -158,14 +169,34 @@ def test_a_jsonl_line_without_text_is_one_line_and_exit_2(tmp_path):
     assert line == f"error: {tmp_path}/in/a.jsonl.gz line 2 is not a JSON object with a 'text' field"
 
 
+def parquet_bytes(corruption: str) -> bytes:
+    """A snappy parquet file of 200 documents, truncated (a partial download) or with flipped data bytes."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table({"text": [doc(i) for i in range(200)]}), sink, compression="snappy")
+    data = sink.getvalue().to_pybytes()
+    if corruption == "truncated":
+        return data[: len(data) // 2]
+    return data[:200] + bytes(b ^ 0xFF for b in data[200:1200]) + data[1200:]  # footer intact, pages not
+
+
 @pytest.mark.parametrize(
     "files, tokenizer, message",
     [
         ({"a.jsonl.gz": b"\x1f\x8b\x08\x00 definitely not gzip"}, None, r"a.jsonl.gz is not a valid gzip file"),
+        (
+            {"a.txt": doc(1).encode(), "b.parquet": parquet_bytes("truncated")},
+            None,
+            r"^cannot read \S+/in/b.parquet as parquet with a 'text' column \(Parquet magic bytes not found",
+        ),
+        (
+            {"a.txt": doc(1).encode(), "b.parquet": parquet_bytes("flipped")},
+            None,
+            r"^cannot read \S+/in/b.parquet as parquet with a 'text' column \(Corrupt snappy compressed data",
+        ),
         ({"a.txt": doc(1).encode()}, b"{not json", r"cannot parse .*tokenizer.json as a Hugging Face tokenizer.json"),
         ({"a.txt": b"   \n", "b.jsonl": b""}, None, r"all 2 input files matching .* are empty"),
     ],
-    ids=["corrupt-gz", "bad-tokenizer", "empty-corpus"],
+    ids=["corrupt-gz", "truncated-parquet", "corrupt-parquet-page", "bad-tokenizer", "empty-corpus"],
 )
 def test_bad_input_is_a_data_error_and_leaves_no_dataset(tmp_path, files, tokenizer, message):
     src = tmp_path / "in"
@@ -177,8 +208,9 @@ def test_bad_input_is_a_data_error_and_leaves_no_dataset(tmp_path, files, tokeni
     settings = PrepareSettings(
         seq_len=16, vocab_size=300, tokenizer=str(tmp_path / "tokenizer.json") if tokenizer else None
     )
-    with pytest.raises(DataError, match=message):
+    with pytest.raises(DataError, match=message) as error:
         prepare(str(src), str(tmp_path / "out"), settings)
+    assert len(str(error.value).splitlines()) == 1
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 

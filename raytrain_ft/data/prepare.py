@@ -115,8 +115,8 @@ def file_documents(url: str) -> Iterator[str]:
     """Yield the non-empty documents of one input file.
 
     Raises:
-        DataError: a parquet file without a `text` column, a jsonl line without a `text` string,
-            or a compressed file that does not decompress.
+        DataError: a parquet file that does not read (corrupt, truncated) or has no `text` column,
+            a jsonl line without a `text` string, or a compressed file that does not decompress.
     """
     with fsspec.open(url, "rb") as f:
         if url.endswith(".parquet"):
@@ -124,9 +124,10 @@ def file_documents(url: str) -> Iterator[str]:
                 batches = pq.ParquetFile(f).iter_batches(columns=["text"])
                 for batch in batches:
                     yield from (t for t in batch.column(0).to_pylist() if t and t.strip())
-            except (pa.ArrowInvalid, KeyError, ValueError) as e:
+            except (pa.ArrowException, OSError, KeyError, ValueError) as e:  # a corrupt page is an OSError
                 raise DataError(
-                    f"cannot read {url} as parquet with a 'text' column: {str(e).splitlines()[0]}"
+                    f"cannot read {url} as parquet with a 'text' column ({str(e).splitlines()[0]}); "
+                    "re-write or remove it"
                 ) from None
             return
         if not url.endswith((".jsonl", *(f".jsonl{s}" for s in COMPRESSION))):
