@@ -1,30 +1,51 @@
-"""Goodput under a failure about every 60 s, against the Young/Daly bound and a plain Ray Train restart.
+"""Goodput and recovery under SIGKILLs at random moments, against the Young/Daly bound and a plain Ray Train restart.
 
-1. raytrain-ft: the demo config (`small` preset, 2 CPU workers, stdlib corpus) with
-   `checkpoint.interval: auto`, `failure.mtbf_hours_per_gpu` set so the planned cluster MTBF is the
-   injected failure period, and a `raise` fault on rank 1 about every `--failure-every-s` seconds
-   of training (the step count comes from a one-rank timing of the same step, x `--ddp-factor`).
-   From MLflow: the goodput summary, the mean checkpoint cost, and the time from each failure
-   (the fault marker's timestamp) to the first resumed step (`first_step` event).
-2. Young/Daly bound for the measured cost C, failure period M (steady-state wall time / failures)
-   and restart time R: `1 - expected_waste_fraction(daly(C, M), C, M, R)` (first-order model;
-   startup excluded, as in the model).
-3. A plain Ray Train restart of the same worker group (2 workers, same resources and runtime env):
-   `ray.train.torch.prepare_model` on the same model, `torch.save` + `Checkpoint.from_directory`
-   every 5 steps (Ray's documented pattern), an exception at fixed steps; failure -> first resumed step.
+Failures strike like real ones: this script, not the training loop, SIGKILLs a worker process
+(`<run folder>/workers/rank<r>.json`, `raytrain_ft.launch.worker.worker_records`) at a seeded
+random moment: an exponential gap (mean `--mtbf-s`, 60 s) of training after the attempt's first
+step, on a random rank. The loop knows nothing; a save may be in flight.
 
-Prints JSON and writes benchmarks/results/goodput.json.
+Each of `--rounds` rounds (3) runs, one after the other in one Ray session:
+1. raytrain-ft: the demo config (`small` preset, 27M params, 2 CPU workers at 0.5 CPU, stdlib
+   corpus) with `checkpoint.interval: auto`, `failure.mtbf_hours_per_gpu` set so the planned
+   cluster MTBF is `--mtbf-s`, and `--kills` (2) kills. `train.max_steps` covers the drawn gaps
+   plus `--tail-s` (20 s) of training at the median step time of the previous round (round 1:
+   `--step-s`, 2.6 s, this machine's); if the run ends before a drawn kill, that kill is reported as missed.
+   From MLflow: the goodput summary, the checkpoint cost, and per kill the recovery's phases
+   (`raytrain_ft.recovery.recovery_rows`), as seconds after the SIGKILL: failure detected (the
+   controller's `failure` event), workers started (the last rank's worker record: Ray started the
+   actors and the torch process group, both before `train_func` runs, so this phase includes
+   both), process group ready (the loop starts building: `init_started_at`), state restored
+   (`attempt_start`), first batch ready, first step done.
+2. A plain Ray Train restart of the same worker group (same resources and runtime env):
+   `prepare_model` on the same model, `torch.save` + `Checkpoint.from_directory` every step (Ray's
+   documented pattern), `--plain-kills` (1) SIGKILL once the attempt has done 2 steps, at a random
+   moment within the next step; the same phases where it has them.
+3. Young/Daly bound per run for the measured cost C (mean async-save stall), failure period M
+   (steady-state wall time / failures) and restart time R (mean kill -> first step):
+   `1 - expected_waste_fraction(daly_interval_s(C, M), C, M, R)` (first-order model; startup
+   excluded, as in the model).
+
+Reported: median and spread (min, max) over the rounds of goodput (whole run and after startup,
+the target compares the latter), the bound, and kill -> first resumed step (median over every
+kill) for both, with the ratio (target <= 1.2) and each phase's median. Scale on the 2-core
+reference machine: 3 rounds x (2 kills in ~2-3 min of raytrain-ft + 1 kill in ~40 s of plain),
+about 11 minutes in all. Prints JSON and writes benchmarks/results/goodput.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
+import math
 import os
+import random
+import signal
 import statistics
 import tempfile
+import threading
 import time
+from pathlib import Path
 
 import ray
 import ray.train
@@ -39,38 +60,77 @@ from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.prepare import PrepareSettings, prepare
 from raytrain_ft.interval import daly_interval_s, expected_waste_fraction
 from raytrain_ft.launch.trainer import WORKER_ENV, run
+from raytrain_ft.launch.worker import worker_records, write_worker_record
 from raytrain_ft.model import build_model, lm_loss
-from raytrain_ft.tracking import GOODPUT_SUMMARY, RunLogger
+from raytrain_ft.recovery import failures, recovery_rows
+from raytrain_ft.tracking import GOODPUT_SUMMARY, RunLogger, steps_logged_since
 from report import default_out, report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(REPO, "data", "stdlib")
+POLL_S = 0.5  # the killer's polling period: coarse, it shares 2 cores with the run it measures
+WAIT_S = 300  # any single wait longer than this is a hung run
+# recovery phases: (name, column of `recovery_rows`, measured from the failure's detection)
+PHASES = [
+    ("process_group_ready", "group_ready_s"),
+    ("state_restored", "restored_s"),
+    ("first_batch_ready", "first_batch_s"),
+    ("first_step_done", "downtime_s"),
+]
 
 
-def one_rank_step_s(vocab: int, seq_len: int, micro: int, accum: int) -> float:
-    """Median seconds of one optimizer step of the `small` preset on one process."""
-    torch.manual_seed(0)
-    model = build_model("small", vocab, seq_len, 0.0)
-    opt = torch.optim.AdamW(model.parameters())
-    tokens = torch.randint(0, vocab, (micro, seq_len + 1))
-    times = []
-    for _ in range(4):
-        t0 = time.perf_counter()
-        for _ in range(accum):
-            lm_loss(model, tokens).backward()
-        opt.step(), opt.zero_grad()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+def wait_for(condition, running: threading.Thread):
+    """Poll `condition()` every `POLL_S` until truthy; None if the run ended first."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        if not running.is_alive():
+            return None
+        time.sleep(POLL_S)
+    raise TimeoutError(f"waited {WAIT_S} s: the run hangs")
 
 
-def recovery_s(events: list[dict], failed_at: list[float]) -> list[float]:
-    """For each failure time: seconds to the next `first_step` event."""
-    firsts = sorted(e["time"] for e in events if e["kind"] == "first_step")
-    return [next(t for t in firsts if t > f) - f for f in failed_at]
+def kill_random_rank(workers: dict[int, dict], rng: random.Random) -> dict:
+    rank = rng.randrange(len(workers))
+    os.kill(workers[rank]["pid"], signal.SIGKILL)
+    return {"rank": rank, "killed_at": time.time()}
 
 
-def ours(root: str, every_steps: int, failures: int, every_s: float) -> dict:
-    faults = ", ".join(f"{{kind: raise, step: {every_steps * (k + 1)}, rank: 1}}" for k in range(failures))
+def killer(run_root: str, gaps_s: list[float], training_since, running: threading.Thread, rng) -> list[dict]:
+    """For each gap: wait for the attempt's workers and for it to train (`training_since(t)` -> unix
+    time or None: the clock starts there), train `gap` seconds more, SIGKILL a random rank. Returns
+    the kills made, each with the unix time its replacement workers had all started (None if none did)."""
+    kills, since = [], 0.0
+    for gap in gaps_s:
+        workers = wait_for(lambda s=since: worker_records(run_root, 2, s), running)
+        if kills and workers:
+            kills[-1]["workers_started_at"] = max(w["started_at"] for w in workers.values())
+        first = workers and wait_for(lambda s=since: training_since(s), running)
+        if not first:
+            break
+        while time.time() < first + gap and running.is_alive():
+            time.sleep(min(POLL_S, max(0.0, first + gap - time.time())))
+        if not running.is_alive():
+            break
+        kills.append(kill_random_rank(workers, rng))
+        since = kills[-1]["killed_at"]
+    if kills and "workers_started_at" not in kills[-1]:
+        workers = wait_for(lambda s=since: worker_records(run_root, 2, s), running)
+        kills[-1]["workers_started_at"] = max(w["started_at"] for w in workers.values()) if workers else None
+    return kills
+
+
+def in_thread(fn) -> tuple[threading.Thread, dict]:
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(value=fn()), daemon=True)
+    thread.start()
+    return thread, result
+
+
+def ours(root: str, gaps_s: list[float], mtbf_s: float, step_s: float, tail_s: float, rng) -> dict:
+    max_steps = math.ceil((sum(gaps_s) + tail_s) / step_s) + 2 * len(gaps_s)  # + steps lost to kills
     cfg = load_config(
         os.path.join(REPO, "configs", "demo.yaml"),
         [
@@ -78,38 +138,59 @@ def ours(root: str, every_steps: int, failures: int, every_s: float) -> dict:
             f"run.storage_path={root}/runs",
             "run.name=goodput",
             f"tracking.uri=sqlite:///{root}/mlflow.db",
-            f"train.max_steps={every_steps * (failures + 1)}",
+            f"train.max_steps={max_steps}",
             "checkpoint.interval=auto",
-            f"failure.mtbf_hours_per_gpu={2 * every_s / 3600}",  # 2 workers: cluster MTBF = every_s
-            f"failure.max_failures={failures + 1}",
-            f"faults=[{faults}]",
+            f"failure.mtbf_hours_per_gpu={2 * mtbf_s / 3600}",  # 2 workers: cluster MTBF = mtbf_s
+            f"failure.max_failures={len(gaps_s) + 1}",
+            "faults=[]",
         ],
     )
-    run_id = run(cfg)
+    run_root = os.path.join(cfg.run.storage_path, cfg.run.name)
+    running, result = in_thread(lambda: run(cfg))
+    id_file = os.path.join(run_root, "mlflow_run_id")
+    run_id = wait_for(lambda: os.path.exists(id_file) and Path(id_file).read_text().strip(), running)
     client = MlflowClient(cfg.tracking.uri)
+
+    def first_step_since(t: float) -> float | None:
+        steps = steps_logged_since(client, run_id, t)
+        return min(ts for _, ts in steps) if steps else None
+
+    kills = killer(run_root, gaps_s, first_step_since, running, rng)
+    running.join()
+    assert result.get("value") == run_id, "the raytrain-ft run did not finish"
     with open(client.download_artifacts(run_id, GOODPUT_SUMMARY)) as f:
         summary = json.load(f)
-    failed_at = []
-    for marker in glob.glob(os.path.join(cfg.run.storage_path, cfg.run.name, "faults", "*.fired")):
-        with open(marker) as f:
-            failed_at.append(float(f.read()))
-    failed_at.sort()
-    costs = [m.value for m in client.get_metric_history(run_id, "checkpoint_cost_s")]
-    intervals = [int(m.value) for m in client.get_metric_history(run_id, "checkpoint_interval_steps")]
+    events = RunLogger(cfg.tracking.uri, run_id).events()
+    detected = [f["time"] for _, f in failures(events)]
+    rows = recovery_rows(events)
+    assert len(rows) == len(kills), f"{len(kills)} kills but {len(rows)} failures recorded"
+    recoveries = []
+    for kill, row, detected_at in zip(kills, rows, detected, strict=True):
+        offset = detected_at - kill["killed_at"]
+        phases = {"failure_detected": offset, "workers_started": kill["workers_started_at"] - kill["killed_at"]}
+        phases.update({name: row[col] + offset for name, col in PHASES})
+        recoveries.append({**kill, "lost_steps": row["lost_steps"], "cause": row["cause"], "phases_s": phases})
     return {
         "summary": summary,
-        "failures": len(failed_at),
-        "failure_to_first_step_s": recovery_s(RunLogger(cfg.tracking.uri, run_id).events(), failed_at),
-        "seconds_between_failures": [b - a for a, b in zip(failed_at, failed_at[1:], strict=False)],
-        "checkpoint_cost_s": statistics.mean(costs),
-        "auto_interval_steps": intervals,
-        "max_steps": cfg.train.max_steps,
+        "gaps_s": gaps_s,
+        "missed_kills": len(gaps_s) - len(kills),
+        "recoveries": recoveries,
+        "checkpoint_cost_s": statistics.mean(m.value for m in client.get_metric_history(run_id, "checkpoint_cost_s")),
+        "auto_interval_steps": [int(m.value) for m in client.get_metric_history(run_id, "checkpoint_interval_steps")],
+        "median_step_time_s": statistics.median(m.value for m in client.get_metric_history(run_id, "step_time_s")),
+        "max_steps": max_steps,
     }
+
+
+def stamp(root: str, line: str) -> None:
+    with open(os.path.join(root, "plain.log"), "a") as f:
+        f.write(f"{line} {time.time()}\n")
 
 
 def plain_train_func(config: dict) -> None:
     """Ray Train's documented pattern: torch.save + Checkpoint.from_directory, resume from get_checkpoint()."""
     rank = ray.train.get_context().get_world_rank()
+    write_worker_record(config["root"], rank)
     torch.manual_seed(0)
     model = ray.train.torch.prepare_model(build_model("small", config["vocab"], config["seq_len"], 0.0))
     opt = torch.optim.AdamW(model.parameters())
@@ -120,93 +201,142 @@ def plain_train_func(config: dict) -> None:
         model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
         start = state["step"]
+    if rank == 0:
+        stamp(config["root"], "restored")
     tokens = torch.randint(0, config["vocab"], (config["micro"], config["seq_len"] + 1))
     for step in range(start + 1, config["max_steps"] + 1):
         for _ in range(config["accum"]):
             lm_loss(model, tokens).backward()
         opt.step(), opt.zero_grad()
-        if resumed and step == start + 1 and rank == 0:
-            with open(os.path.join(config["root"], f"first-{step}"), "w") as f:
-                f.write(str(time.time()))
-        marker = os.path.join(config["root"], f"failed-{step}")
-        if step in config["fail_at"] and rank == 1 and not os.path.exists(marker):
-            with open(marker, "w") as f:
-                f.write(str(time.time()))
-            raise RuntimeError(f"injected failure at step {step}")
-        if step % 5 == 0:
-            with tempfile.TemporaryDirectory() as d:
-                if rank == 0:
-                    torch.save(
-                        {"model": model.module.state_dict(), "optim": opt.state_dict(), "step": step}, f"{d}/state.pt"
-                    )
-                ray.train.report({"step": step}, checkpoint=Checkpoint.from_directory(d) if rank == 0 else None)
+        if rank == 0:
+            stamp(config["root"], f"step{step}")
+        with tempfile.TemporaryDirectory() as d:
+            if rank == 0:
+                torch.save(
+                    {"model": model.module.state_dict(), "optim": opt.state_dict(), "step": step}, f"{d}/state.pt"
+                )
+            ray.train.report({"step": step}, checkpoint=Checkpoint.from_directory(d) if rank == 0 else None)
 
 
-def plain(root: str, vocab: int, seq_len: int) -> dict:
-    fail_at = [8, 18]
-    config = {
-        "vocab": vocab,
-        "seq_len": seq_len,
-        "micro": 2,
-        "accum": 2,
-        "max_steps": 22,
-        "fail_at": fail_at,
-        "root": root,
-    }
-    TorchTrainer(
+def read_stamps(root: str) -> list[tuple[str, float]]:
+    try:
+        with open(os.path.join(root, "plain.log")) as f:
+            return [(kind, float(t)) for kind, t in (line.split() for line in f)]
+    except FileNotFoundError:
+        return []
+
+
+def plain(root: str, vocab: int, seq_len: int, kills: int, rng) -> dict:
+    config = {"vocab": vocab, "seq_len": seq_len, "micro": 2, "accum": 2, "max_steps": 3 + 3 * kills, "root": root}
+    trainer = TorchTrainer(
         plain_train_func,
         train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
-        run_config=RunConfig(name="plain", storage_path=f"{root}/runs", failure_config=FailureConfig(max_failures=2)),
-    ).fit()
+        run_config=RunConfig(
+            name="plain", storage_path=f"{root}/runs", failure_config=FailureConfig(max_failures=kills)
+        ),
+    )
+    running, _ = in_thread(trainer.fit)
 
-    def stamp(name: str) -> float:
-        with open(os.path.join(root, name)) as f:
-            return float(f.read())
+    def second_step_since(t: float) -> float | None:
+        steps = [ts for kind, ts in read_stamps(root) if kind.startswith("step") and ts > t]
+        return steps[1] if len(steps) >= 2 else None
 
-    resumed = sorted(stamp(os.path.basename(p)) for p in glob.glob(f"{root}/first-*"))
-    failed = sorted(stamp(f"failed-{s}") for s in fail_at)
-    return {"failure_to_first_step_s": [next(r for r in resumed if r > f) - f for f in failed]}
+    done = killer(root, [rng.uniform(0.0, 2.0) for _ in range(kills)], second_step_since, running, rng)
+    running.join()
+    stamps = read_stamps(root)
+    recoveries = []
+    for kill in done:
+        after = [(kind, t - kill["killed_at"]) for kind, t in stamps if t > kill["killed_at"]]
+        phases = {
+            "workers_started": kill["workers_started_at"] - kill["killed_at"],
+            "state_restored": next(t for kind, t in after if kind == "restored"),
+            "first_step_done": next(t for kind, t in after if kind.startswith("step")),
+        }
+        recoveries.append({**kill, "phases_s": phases})
+    return {"missed_kills": kills - len(done), "recoveries": recoveries}
+
+
+def spread(values: list[float]) -> dict:
+    if not values:
+        return {"median": None, "n": 0}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def phase_medians(recoveries: list[dict]) -> dict[str, float]:
+    """Each phase's median seconds after the kill, over the recoveries that have it."""
+    names = ["failure_detected", "workers_started"] + [name for name, _ in PHASES]
+    found = {n: [r["phases_s"][n] for r in recoveries if n in r["phases_s"]] for n in names}
+    return {n: statistics.median(v) for n, v in found.items() if v}
+
+
+def bound(run: dict) -> float:
+    """Young/Daly goodput bound of one raytrain-ft run (first order; startup excluded)."""
+    s = run["summary"]
+    kills = max(1, len(run["recoveries"]))
+    mtbf = (s["wall_s"] - s["badput_startup_s"]) / kills
+    restart = statistics.mean(r["phases_s"]["first_step_done"] for r in run["recoveries"]) if run["recoveries"] else 0
+    cost = run["checkpoint_cost_s"]
+    return 1 - expected_waste_fraction(daly_interval_s(cost, mtbf), cost, mtbf, restart)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--failures", type=int, default=3)
-    p.add_argument("--failure-every-s", type=float, default=60.0)
-    # 2 ranks share 2 cores, all-reduce 27M gradients and checkpoint often: measured ~6.5x one rank's step here
-    p.add_argument("--ddp-factor", type=float, default=6.5, help="a 2-rank step's time over one rank's")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--kills", type=int, default=2, help="SIGKILLs per raytrain-ft run")
+    p.add_argument("--plain-kills", type=int, default=1, help="SIGKILLs per plain Ray Train run")
+    p.add_argument("--mtbf-s", type=float, default=60.0, help="mean seconds of training between kills")
+    p.add_argument("--tail-s", type=float, default=20.0, help="seconds of training after the last drawn kill")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-s", type=float, default=2.6, help="round 1's step time estimate (later: measured)")
     p.add_argument("--out", default=default_out("goodput"))
     args = p.parse_args()
+    started = time.time()
     if not os.path.exists(os.path.join(DATA, "manifest.json")):
         prepare(None, DATA, PrepareSettings(seq_len=256, vocab_size=8192))
     m = load_manifest(DATA)
-    step_s = one_rank_step_s(m.vocab_size, m.seq_len, micro=2, accum=2) * args.ddp_factor
-    every_steps = max(5, round(args.failure_every_s / step_s))
+    step_s = args.step_s
+    rng = random.Random(args.seed)
     ray.init(
         address="local", num_cpus=3, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV}
     )
-    ours_result = ours(tempfile.mkdtemp(prefix="goodput-ours-"), every_steps, args.failures, args.failure_every_s)
-    plain_result = plain(tempfile.mkdtemp(prefix="goodput-plain-"), m.vocab_size, m.seq_len)
+    rounds = []
+    for _ in range(args.rounds):
+        gaps = [rng.expovariate(1 / args.mtbf_s) for _ in range(args.kills)]
+        ours_run = ours(tempfile.mkdtemp(prefix="goodput-ours-"), gaps, args.mtbf_s, step_s, args.tail_s, rng)
+        step_s = ours_run["median_step_time_s"]
+        plain_run = plain(tempfile.mkdtemp(prefix="goodput-plain-"), m.vocab_size, m.seq_len, args.plain_kills, rng)
+        rounds.append({"raytrain_ft": ours_run, "plain_ray_train": plain_run, "young_daly_bound": bound(ours_run)})
+        print(json.dumps({"round": len(rounds), "elapsed_s": time.time() - started}), flush=True)
     ray.shutdown()
 
-    s = ours_result["summary"]
-    steady_wall = s["wall_s"] - s["badput_startup_s"]
-    mtbf = steady_wall / max(1, ours_result["failures"])
-    cost, restart = ours_result["checkpoint_cost_s"], statistics.mean(ours_result["failure_to_first_step_s"])
-    bound = 1 - expected_waste_fraction(daly_interval_s(cost, mtbf), cost, mtbf, restart)
-    ours_restart = statistics.median(ours_result["failure_to_first_step_s"])
-    plain_restart = statistics.median(plain_result["failure_to_first_step_s"])
+    ours_recoveries = [r for rd in rounds for r in rd["raytrain_ft"]["recoveries"]]
+    plain_recoveries = [r for rd in rounds for r in rd["plain_ray_train"]["recoveries"]]
+    ours_restart = spread([r["phases_s"]["first_step_done"] for r in ours_recoveries])
+    plain_restart = spread([r["phases_s"]["first_step_done"] for r in plain_recoveries])
+    summaries = [rd["raytrain_ft"]["summary"] for rd in rounds]
+    after_startup = [s["productive_s"] / (s["wall_s"] - s["badput_startup_s"]) for s in summaries]
+    restart_ratio = (
+        ours_restart["median"] / plain_restart["median"] if plain_restart["n"] and ours_restart["n"] else None
+    )
     report(
         {
-            "steps_between_failures": every_steps,
-            "raytrain_ft": ours_result,
-            "plain_ray_train": plain_result,
-            "goodput": s["goodput"],
-            "goodput_after_startup": s["productive_s"] / steady_wall,
-            "young_daly_bound_goodput": bound,
-            "bound_inputs": {"checkpoint_cost_s": cost, "mtbf_s": mtbf, "restart_s": restart},
+            "scale": {k: getattr(args, k) for k in ("rounds", "kills", "plain_kills", "mtbf_s", "tail_s", "seed")},
+            "elapsed_s": time.time() - started,
+            "goodput": spread([s["goodput"] for s in summaries]),
+            "goodput_after_startup": spread(after_startup),
+            "young_daly_bound_goodput": spread([rd["young_daly_bound"] for rd in rounds]),
             "failure_to_first_step_s": {"raytrain_ft": ours_restart, "plain_ray_train": plain_restart},
-            "restart_over_plain": ours_restart / plain_restart,
+            "restart_over_plain": restart_ratio,
+            "phases_median_s": {
+                "raytrain_ft": phase_medians(ours_recoveries),
+                "plain_ray_train": phase_medians(plain_recoveries),
+            },
+            "targets_met": {
+                "restart_over_plain <= 1.2": restart_ratio is not None and restart_ratio <= 1.2,
+                "goodput_after_startup median >= 0.85": statistics.median(after_startup) >= 0.85,
+            },
+            "rounds": rounds,
         },
         args.out,
     )

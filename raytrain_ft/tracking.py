@@ -46,6 +46,16 @@ def resolve_uri(uri: str, default_dir: str = "") -> str:
     return uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath(default_dir or '.')}/mlflow.db"
 
 
+def steps_logged_since(client: MlflowClient, run_id: str, since: float) -> list[tuple[int, float]]:
+    """(step, unix seconds) of the steps rank 0 completed after unix time `since` (the `last_step`
+    metric it logs as each step ends, millisecond timestamps); what a chaos test or a benchmark polls."""
+    return [
+        (int(m.value), m.timestamp / 1000)
+        for m in client.get_metric_history(run_id, "last_step")
+        if m.timestamp / 1000 > since
+    ]
+
+
 def start_or_resume_run(uri: str, experiment: str, run_root: str, run_name: str, params: dict) -> str:
     """Return the MLflow run id of this training run, creating the run on first submission."""
     client = MlflowClient(uri)

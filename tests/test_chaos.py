@@ -16,7 +16,6 @@ the slow storage, so it must end bitwise equal to it, with the same per-step sam
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -41,6 +40,8 @@ from raytrain_ft.checkpoint import list_step_dirs, step_of
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.launch.callbacks import COMMIT_ACK_FILE
 from raytrain_ft.launch.trainer import run
+from raytrain_ft.launch.worker import worker_records
+from raytrain_ft.tracking import steps_logged_since
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -61,24 +62,8 @@ def wait_for(what: str, condition, trainer: threading.Thread):
     raise AssertionError(f"waited {WAIT_S} s for {what}")
 
 
-def workers_since(root: str, t: float) -> dict[int, int] | None:
-    """{rank: pid} of the attempt whose workers all started after unix time `t`, once both wrote their file."""
-    pids = {}
-    for rank in (0, 1):
-        try:
-            with open(os.path.join(root, "workers", f"rank{rank}.json")) as f:
-                record = json.load(f)
-        except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or being written
-            return None
-        if record["started_at"] <= t:
-            return None
-        pids[rank] = record["pid"]
-    return pids
-
-
 def steps_done_since(client: MlflowClient, run_id: str, t: float) -> list[int]:
-    """Steps rank 0 completed after unix time `t` (the `last_step` metric it logs every step)."""
-    return [int(m.value) for m in client.get_metric_history(run_id, "last_step") if m.timestamp / 1000 > t]
+    return [step for step, _ in steps_logged_since(client, run_id, t)]
 
 
 def last_commit(root: str) -> int:
@@ -115,7 +100,7 @@ def test_three_kills_at_random_moments_resume_bitwise(tmp_path, dataset, referen
 
     kills, since = [], 0.0
     for k in range(KILLS):
-        pids = wait_for(f"attempt {k}'s workers", lambda since=since: workers_since(root, since), trainer)
+        workers = wait_for(f"attempt {k}'s workers", lambda since=since: worker_records(root, 2, since), trainer)
         started = time.time()
         # this attempt restored and trained a step (so it also deleted any partial folder of the last kill)
         wait_for(
@@ -136,7 +121,7 @@ def test_three_kills_at_random_moments_resume_bitwise(tmp_path, dataset, referen
             writing = None
         committed, complete = last_commit(root), max((s for s, ok in list_step_dirs(root).items() if ok), default=0)
         rank = rng.randrange(2)
-        os.kill(pids[rank], signal.SIGKILL)
+        os.kill(workers[rank]["pid"], signal.SIGKILL)
         since = time.time()
         if writing is not None:  # the write was cut: its .metadata never appears
             time.sleep(1.0)

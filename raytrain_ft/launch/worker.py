@@ -24,6 +24,35 @@ log = logging.getLogger(__name__)
 FLUSH_TIMEOUT_S = 60
 
 
+def _record_path(run_root: str, rank: int) -> str:
+    return f"{run_root.rstrip('/')}/workers/rank{rank}.json"
+
+
+def write_worker_record(run_root: str, rank: int) -> None:
+    """Write `<run folder>/workers/rank<r>.json` (this process's pid, node IP, start time in unix
+    seconds), once per attempt: which process to `py-spy dump` when a rank misbehaves, and which one
+    a chaos test or `benchmarks/goodput.py` kills."""
+    record = {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "started_at": time.time()}
+    with fsspec.open(_record_path(run_root, rank), "w", auto_mkdir=True) as f:
+        json.dump(record, f)
+
+
+def worker_records(run_root: str, world_size: int, since: float) -> dict[int, dict] | None:
+    """{rank: record} of the attempt whose `world_size` workers all started after unix time `since`,
+    once each wrote its record (`write_worker_record`); None until then."""
+    records = {}
+    for rank in range(world_size):
+        try:
+            with fsspec.open(_record_path(run_root, rank), "r") as f:
+                record = json.load(f)
+        except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or being written
+            return None
+        if record["started_at"] <= since:
+            return None
+        records[rank] = record
+    return records
+
+
 class RaySession:
     """`raytrain_ft.session.Session` for a Ray Train worker."""
 
@@ -35,17 +64,10 @@ class RaySession:
         scheme = self.filesystem.type_name
         path = storage.experiment_fs_path
         self.run_root = path if scheme == "local" else f"{scheme}://{path}"  # fsspec URL for DCP and our files
+        write_worker_record(self.run_root, self.rank)
         self.data_path, self.seed = data_path, seed
         self.manifest = load_manifest(data_path)
         self.last_commit: str | None = None
-        self._record_process()
-
-    def _record_process(self) -> None:
-        """Write `<run folder>/workers/rank<r>.json` (this attempt's pid, node IP, start time in unix
-        seconds): which process to `py-spy dump` when a rank misbehaves, and which one a chaos test kills."""
-        record = {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "started_at": time.time()}
-        with fsspec.open(f"{self.run_root.rstrip('/')}/workers/rank{self.rank}.json", "w", auto_mkdir=True) as f:
-            json.dump(record, f)
 
     def latest_checkpoint(self) -> str | None:
         checkpoint = ray.train.get_checkpoint()
