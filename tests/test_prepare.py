@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from conftest import REPO, STDLIB_JSON
 from raytrain_ft.data.manifest import load_manifest
-from raytrain_ft.data.prepare import PrepareSettings, prepare
+from raytrain_ft.data.prepare import PrepareSettings, prepare, read_documents
 from raytrain_ft.errors import DataError
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -104,6 +104,23 @@ def test_jsonl_zst_and_plain_jsonl_inputs(tmp_path, corpus):
     (src / "b.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[30:]))
     prepare(str(src), str(tmp_path / "out"), PrepareSettings(seq_len=16, tokenizer=tokenizer, rows_per_row_group=8))
     check_dataset(str(tmp_path / "out"), tokenizer, docs)  # 60 documents, their exact token count
+
+
+def test_a_read_task_interleaves_its_files_in_a_seeded_order(tmp_path):
+    paths = []
+    for f in range(3):
+        paths.append(str(tmp_path / f"f{f}.jsonl"))
+        (tmp_path / f"f{f}.jsonl").write_text("".join(json.dumps({"text": f"{f} {i}"}) + "\n" for i in range(100)))
+    blocks = [b["text"] for b in read_documents({"task": [0], "paths": [paths]}, seed=0)]
+    docs = [d for b in blocks for d in b]
+    assert [len(b) for b in blocks] == [64] * 4 + [44]
+    for f in range(3):  # every document once, each file's in its own order
+        assert [d for d in docs if d.startswith(f"{f} ")] == [f"{f} {i}" for i in range(100)]
+    assert all(sum(d.startswith(f"{f} ") for d in blocks[0]) >= 10 for f in range(3))  # the first block mixes all
+    assert all(len({d[0] for d in b}) >= 2 for b in blocks)  # equal sizes: the files run out together
+    again = [b["text"] for b in read_documents({"task": [0], "paths": [paths]}, seed=0)]
+    other = [b["text"] for b in read_documents({"task": [0], "paths": [paths]}, seed=1)]
+    assert again == blocks and other != blocks
 
 
 def test_samples_dense_fixed_length_with_eos(dataset):

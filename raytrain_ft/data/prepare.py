@@ -4,16 +4,20 @@ Input: an fsspec path, folder or glob of `.txt`, `.md`, `.py` (one document per 
 `.jsonl.gz`, `.jsonl.zst` (one document per line, field `text`) or `.parquet` (column `text`)
 files. Default: the running Python's standard library sources, so the demo needs no download.
 
-The pipeline streams; the driver holds the file list, a bounded tokenizer sample and one stats
-row per shard, never the corpus:
+The pipeline streams end to end (no operator waits for the whole read); the driver holds the
+file list, a bounded tokenizer sample and one stats row per shard, never the corpus:
 
-1. the files, in a seeded random order, are read one per task, in blocks of `READ_BATCH_DOCS`
-   documents;
-2. `randomize_block_order(seed)` permutes these blocks across the corpus, so a packed batch (and
-   a row group) draws on several files. Blocks are the unit of this shuffle: it moves block
-   references, and the blocks wait in the object store (spilled to disk beyond its memory), not
-   in any process's heap (a full `random_shuffle` would pass every document through the memory
-   of its aggregators);
+1. the files, in a seeded random order, are cut into groups of `FILES_PER_READ_TASK`, one read
+   task each;
+2. a read task opens its files together and interleaves their documents: each next document comes
+   from a file drawn with `numpy.random.default_rng([seed, task])`, with probability proportional
+   to the file's size among those not yet exhausted (so the files run out at about the same time),
+   and yields blocks of `READ_BATCH_DOCS` documents. A block, hence a packed batch and a row group,
+   mixes up to `FILES_PER_READ_TASK` files. This is the document shuffle: local to a window of
+   files, never corpus-wide, because a corpus-wide shuffle (`random_shuffle`, or even
+   `randomize_block_order`, an all-to-all operator) must hold every block of the corpus before it
+   emits the first, in the object store and then on spill disk. The loader's per-epoch permutation
+   of row groups (`raytrain_ft.data.order`) mixes across the whole corpus at training time;
 3. `map_batches` tokenizes `PACK_BATCH_DOCS` documents at a time, appends the EOS token after each
    document and cuts the batch's token stream into rows of `seq_len + 1` tokens; the batch's last
    partial row is dropped (counted in the manifest's `dropped_tokens`);
@@ -23,7 +27,7 @@ row per shard, never the corpus:
 
 Tokenizer: a given Hugging Face `tokenizer.json` (EOS from `eos_token` or the first of
 `EOS_CANDIDATES` among its special tokens), or a byte-level BPE trained on the first
-`tokenizer_sample_docs` documents in the shuffled file order (streamed: the read stops there).
+`tokenizer_sample_docs` documents in the interleaved order (streamed: the read stops there).
 Either way it is saved as `tokenizer.json` next to the shards, and the vocabulary size is the
 tokenizer's.
 
@@ -70,7 +74,8 @@ TOKENIZER_FILE = "tokenizer.json"
 MARKER = "PREPARING"
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
 COMPRESSION = {".gz": "gzip", ".zst": "zstd"}
-READ_BATCH_DOCS = 64  # documents per block out of a read task: the unit of the seeded shuffle
+READ_BATCH_DOCS = 64  # documents per block out of a read task (and per parquet read)
+FILES_PER_READ_TASK = 16  # files one read task interleaves: the window of the document shuffle
 PACK_BATCH_DOCS = 256  # documents tokenized and packed together: the dropped tail is < 1 row per batch
 SAMPLES_PER_SHARD = 8192  # rows a write task gathers before writing its shard
 STATS = ("documents", "tokens", "dropped")  # counted per packed batch, summed per shard
@@ -121,7 +126,7 @@ def file_documents(url: str) -> Iterator[str]:
     with fsspec.open(url, "rb") as f:
         if url.endswith(".parquet"):
             try:
-                batches = pq.ParquetFile(f).iter_batches(columns=["text"])
+                batches = pq.ParquetFile(f).iter_batches(batch_size=READ_BATCH_DOCS, columns=["text"])
                 for batch in batches:
                     yield from (t for t in batch.column(0).to_pylist() if t and t.strip())
             except (pa.ArrowException, OSError, KeyError, ValueError) as e:  # a corrupt page is an OSError
@@ -153,15 +158,24 @@ def file_documents(url: str) -> Iterator[str]:
             raise DataError(f"{url} is not a valid {codec} file ({e}); re-download or remove it") from None
 
 
-def read_documents(batch: dict[str, np.ndarray]) -> Iterator[dict[str, list[str]]]:
-    """`map_batches` function: the documents of the files in `batch["path"]`, in blocks."""
-    docs: list[str] = []
-    for url in batch["path"]:
-        for doc in file_documents(str(url)):
-            docs.append(doc)
-            if len(docs) == READ_BATCH_DOCS:
-                yield {"text": docs}
-                docs = []
+def read_documents(batch: dict[str, np.ndarray], seed: int) -> Iterator[dict[str, list[str]]]:
+    """`map_batches` function (one row: `task`, `paths`): the documents of the task's files,
+    interleaved by a seeded draw weighted by file size (module doc), in blocks of `READ_BATCH_DOCS`.
+    Holds one open reader per file and one block."""
+    (task,), (paths,) = batch["task"], batch["paths"]
+    readers = [file_documents(str(url)) for url in paths]
+    sizes = [float(max(fsspec.core.url_to_fs(str(url))[0].size(str(url)) or 1, 1)) for url in paths]
+    rng, docs = np.random.default_rng([seed, int(task)]), []
+    while readers:
+        k = int(rng.choice(len(readers), p=np.divide(sizes, sum(sizes))))
+        doc = next(readers[k], None)
+        if doc is None:
+            del readers[k], sizes[k]
+            continue
+        docs.append(doc)
+        if len(docs) == READ_BATCH_DOCS:
+            yield {"text": docs}
+            docs = []
     if docs:
         yield {"text": docs}
 
@@ -336,12 +350,15 @@ def prepare(input_pattern: str | None, output: str, settings: PrepareSettings) -
 
 def _run(files, pattern, output, fs, out, settings, given, fp, started) -> PrepareReport:
     ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.preserve_order = True  # with the seeded shuffle: the same input, the same shards
+    ctx.execution_options.preserve_order = True  # with the seeded interleave: the same input, the same shards
     ctx.log_internal_stack_trace = False
     try:
         shuffled = [files[i] for i in np.random.default_rng(settings.seed).permutation(len(files))]
-        paths = ray.data.from_items([{"path": f} for f in shuffled], override_num_blocks=len(files))
-        docs = paths.map_batches(read_documents, batch_size=1)
+        groups = [shuffled[i : i + FILES_PER_READ_TASK] for i in range(0, len(shuffled), FILES_PER_READ_TASK)]
+        tasks = ray.data.from_items(
+            [{"task": i, "paths": g} for i, g in enumerate(groups)], override_num_blocks=len(groups)
+        )
+        docs = tasks.map_batches(read_documents, batch_size=1, fn_kwargs={"seed": settings.seed})
         if given:
             tok, eos = given
         else:
@@ -351,7 +368,7 @@ def _run(files, pattern, output, fs, out, settings, given, fp, started) -> Prepa
             tok, eos = train_tokenizer(sample, settings.vocab_size), EOS
         fs.pipe_file(f"{out}/{TOKENIZER_FILE}", tok.to_str().encode())
         sink = ShardSink(output.rstrip("/"), settings.rows_per_row_group)
-        rows = docs.randomize_block_order(seed=settings.seed).map_batches(
+        rows = docs.map_batches(
             tokenize_and_pack,
             batch_size=PACK_BATCH_DOCS,
             fn_kwargs={"tokenizer_json": tok.to_str(), "eos_id": tok.token_to_id(eos), "seq_len": settings.seq_len},
