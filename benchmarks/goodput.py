@@ -9,7 +9,7 @@ Each of `--rounds` rounds (3) runs, one after the other in one Ray session:
 1. raytrain-ft: the demo config (`small` preset, 27M params, 2 CPU workers at 0.5 CPU, stdlib
    corpus) with `checkpoint.interval: auto`, `failure.mtbf_hours_per_gpu` set so the planned
    cluster MTBF is `--mtbf-s`, and `--kills` (2) kills. `train.max_steps` covers the drawn gaps
-   plus `--tail-s` (20 s) of training at the median step time of the previous round (round 1:
+   plus `--tail-s` (5 s) of training at the median step time of the previous round (round 1:
    `--step-s`, 2.6 s, this machine's); if the run ends before a drawn kill, that kill is reported as missed.
    From MLflow: the goodput summary, the checkpoint cost, and per kill the recovery's phases
    (`raytrain_ft.recovery.recovery_rows`), as seconds after the SIGKILL: failure detected (the
@@ -130,7 +130,7 @@ def in_thread(fn) -> tuple[threading.Thread, dict]:
 
 
 def ours(root: str, gaps_s: list[float], mtbf_s: float, step_s: float, tail_s: float, rng) -> dict:
-    max_steps = math.ceil((sum(gaps_s) + tail_s) / step_s) + 2 * len(gaps_s)  # + steps lost to kills
+    max_steps = math.ceil((sum(gaps_s) + tail_s) / step_s) + len(gaps_s)  # + a step lost per kill
     cfg = load_config(
         os.path.join(REPO, "configs", "demo.yaml"),
         [
@@ -286,7 +286,7 @@ def main() -> None:
     p.add_argument("--kills", type=int, default=2, help="SIGKILLs per raytrain-ft run")
     p.add_argument("--plain-kills", type=int, default=1, help="SIGKILLs per plain Ray Train run")
     p.add_argument("--mtbf-s", type=float, default=60.0, help="mean seconds of training between kills")
-    p.add_argument("--tail-s", type=float, default=20.0, help="seconds of training after the last drawn kill")
+    p.add_argument("--tail-s", type=float, default=5.0, help="seconds of training after the last drawn kill")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-s", type=float, default=2.6, help="round 1's step time estimate (later: measured)")
     p.add_argument("--out", default=default_out("goodput"))

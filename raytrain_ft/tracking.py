@@ -121,8 +121,9 @@ class RunLogger:
     def tags(self, values: dict[str, str]) -> None:
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)[:5000]) for k, v in values.items()])
 
-    def latest(self, key: str, default: float = 0.0) -> float:
-        return self.client.get_run(self.run_id).data.metrics.get(key, default)
+    def latest_metrics(self) -> dict[str, float]:
+        """Each metric's latest value ({key: value})."""
+        return self.client.get_run(self.run_id).data.metrics
 
     def event(self, kind: str, **fields) -> None:
         """Record an event (failure, skipped step, ...) as its own artifact `events/<time>-<id>.json`:

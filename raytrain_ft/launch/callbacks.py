@@ -78,14 +78,16 @@ class RunRecorder(UserCallback):
                 f.write(checkpoint.path)
 
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
+        # Ray restarts the group only after this returns: one read, one tag write, one event file.
         logger = RunLogger(self.tracking_uri, self.run_id)
+        latest = logger.latest_metrics()
         causes = {str(rank): plain_cause(e) for rank, e in sorted(worker_exceptions.items())}
         logger.tags({"last_failure_cause": cause_text(causes)})
         logger.event(
             "failure",
             causes=causes,
             details={str(rank): str(e)[:20000] for rank, e in worker_exceptions.items()},  # Ray's full text
-            last_step=int(logger.latest("last_step")),
-            step_time_s=logger.latest("current_step_time_s"),
-            world_size=int(logger.latest("world_size")),
+            last_step=int(latest.get("last_step", 0)),
+            step_time_s=latest.get("current_step_time_s", 0.0),
+            world_size=int(latest.get("world_size", 0)),
         )

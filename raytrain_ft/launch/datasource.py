@@ -26,8 +26,12 @@ from raytrain_ft.data.position import BatchPlan
 # A 0-CPU task has no resource bound, so READ_CONCURRENCY bounds it: without it Ray Data started
 # every read task of the epoch at once, each in a new Python worker process (raylet: "40 PYTHON
 # worker processes have been started"), which starved the node and stalled elastic restarts.
+# One task in flight per rank: the idle workers Ray keeps serve them at an attempt's start, where
+# two per rank made the raylet start two or three new processes 13-15 s after each kill, on the
+# first step's critical path (benchmarks/goodput.py: first batch 1.5 s after the restore, 0.4 s
+# with one). A read task (512 rows) lasts far longer than training takes to consume it.
 READ_CPUS = 0
-READ_CONCURRENCY = 2  # read tasks in flight per rank
+READ_CONCURRENCY = 1  # read tasks in flight per rank
 PREFETCH_BLOCKS = 4  # read tasks' blocks read ahead of training
 ROWS_PER_READ_TASK = 512  # consecutive pieces share a read task (and its opened files) up to this many rows
 
