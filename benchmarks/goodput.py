@@ -29,8 +29,8 @@ Each of `--rounds` rounds (3) runs, one after the other in one Ray session:
 Reported: median and spread (min, max) over the rounds of goodput (whole run and after startup,
 the target compares the latter), the bound, and kill -> first resumed step (median over every
 kill) for both, with the ratio (target <= 1.2) and each phase's median. Scale on the 2-core
-reference machine: 3 rounds x (2 kills in ~2-3 min of raytrain-ft + 1 kill in ~40 s of plain),
-about 11 minutes in all. Prints JSON and writes benchmarks/results/goodput.json.
+reference machine: 3 rounds x (2 kills in 2-4.5 min of raytrain-ft + 1 kill in ~50 s of plain),
+12.7 minutes in all (seed 0: 382 s of drawn training). Prints JSON and writes benchmarks/results/goodput.json.
 """
 
 from __future__ import annotations
