@@ -76,6 +76,10 @@ TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".pa
 COMPRESSION = {".gz": "gzip", ".zst": "zstd"}
 READ_BATCH_DOCS = 64  # documents per block out of a read task (and per parquet read)
 FILES_PER_READ_TASK = 16  # files one read task interleaves: the window of the document shuffle
+# A read task's CPUs. Unlike the tokenize tasks' 1, so Ray Data does not fuse reading and tokenizing
+# into one task: fused, tokenizing would run in the files / 16 read tasks instead of spreading over
+# every CPU of the cluster. Reading (decompress, parse JSON) is the lighter part.
+READ_CPUS = 0.5
 PACK_BATCH_DOCS = 256  # documents tokenized and packed together: the dropped tail is < 1 row per batch
 SAMPLES_PER_SHARD = 8192  # rows a write task gathers before writing its shard
 STATS = ("documents", "tokens", "dropped")  # counted per packed batch, summed per shard
@@ -358,7 +362,7 @@ def _run(files, pattern, output, fs, out, settings, given, fp, started) -> Prepa
         tasks = ray.data.from_items(
             [{"task": i, "paths": g} for i, g in enumerate(groups)], override_num_blocks=len(groups)
         )
-        docs = tasks.map_batches(read_documents, batch_size=1, fn_kwargs={"seed": settings.seed})
+        docs = tasks.map_batches(read_documents, batch_size=1, num_cpus=READ_CPUS, fn_kwargs={"seed": settings.seed})
         if given:
             tok, eos = given
         else:
