@@ -76,10 +76,12 @@ TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".pa
 COMPRESSION = {".gz": "gzip", ".zst": "zstd"}
 READ_BATCH_DOCS = 64  # documents per block out of a read task (and per parquet read)
 FILES_PER_READ_TASK = 16  # files one read task interleaves: the window of the document shuffle
-# A read task's CPUs. Unlike the tokenize tasks' 1, so Ray Data does not fuse reading and tokenizing
-# into one task: fused, tokenizing would run in the files / 16 read tasks instead of spreading over
-# every CPU of the cluster. Reading (decompress, parse JSON) is the lighter part.
-READ_CPUS = 0.5
+# Read and write tasks' CPUs. Unlike the tokenize tasks' 1, so Ray Data fuses neither into the
+# tokenize tasks: fused with the read, tokenizing ran in the files / 16 read tasks; fused with the
+# write, each tokenize task took SAMPLES_PER_SHARD *documents* (the fused operator bundles the larger
+# of the two input minimums), so a small corpus was one task and a task's memory grew with it.
+# Reading (decompress, parse JSON) and writing (parquet encode) are the lighter parts.
+IO_CPUS = 0.5
 PACK_BATCH_DOCS = 256  # documents tokenized and packed together: the dropped tail is < 1 row per batch
 SAMPLES_PER_SHARD = 8192  # rows a write task gathers before writing its shard
 STATS = ("documents", "tokens", "dropped")  # counted per packed batch, summed per shard
@@ -362,7 +364,7 @@ def _run(files, pattern, output, fs, out, settings, given, fp, started) -> Prepa
         tasks = ray.data.from_items(
             [{"task": i, "paths": g} for i, g in enumerate(groups)], override_num_blocks=len(groups)
         )
-        docs = tasks.map_batches(read_documents, batch_size=1, num_cpus=READ_CPUS, fn_kwargs={"seed": settings.seed})
+        docs = tasks.map_batches(read_documents, batch_size=1, num_cpus=IO_CPUS, fn_kwargs={"seed": settings.seed})
         if given:
             tok, eos = given
         else:
@@ -377,7 +379,7 @@ def _run(files, pattern, output, fs, out, settings, given, fp, started) -> Prepa
             batch_size=PACK_BATCH_DOCS,
             fn_kwargs={"tokenizer_json": tok.to_str(), "eos_id": tok.token_to_id(eos), "seq_len": settings.seq_len},
         )
-        rows.write_datasink(sink)
+        rows.write_datasink(sink, ray_remote_args={"num_cpus": IO_CPUS})
     except Exception as e:  # a DataError raised in a Ray task reaches us as text inside Ray's error
         if isinstance(e, DataError) and not isinstance(e, ray.exceptions.RayError):
             raise
