@@ -24,6 +24,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import fsspec
 import torch
@@ -35,7 +36,11 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from raytrain_ft.errors import CheckpointError, StorageFullError
+from raytrain_ft.session import Session
 from raytrain_ft.train_state import KEY_META, KEY_MODEL, RunMeta, TrainState
+
+if TYPE_CHECKING:
+    from raytrain_ft.tracking import RunLogger
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +141,7 @@ class Checkpointer:
         self.staging = None  # future of the snapshot copy still in progress
         self.stall_s = 0.0  # seconds training was blocked in save() / wait_staged(), since start
         self.last_cost_s = self.last_duration_s = 0.0  # of the last committed save: stall; start to commit
-        self._started = self._pending_stall = 0.0
+        self._started = self._pending_stall = self._stall_taken = 0.0
         cuda = torch.cuda.is_available()
         # Pinned host memory + non-blocking copies on GPU; on CPU a plain background copy.
         self.stager = DefaultStager(StagingOptions(cuda, False, True, cuda))
@@ -192,6 +197,11 @@ class Checkpointer:
         self.staging.result()
         self.staging = None
         return True
+
+    def take_stall_s(self) -> float:
+        """Seconds training was blocked on checkpoints since the previous call."""
+        stall, self._stall_taken = self.stall_s - self._stall_taken, self.stall_s
+        return stall
 
     def _stalled(self, since: float) -> None:
         blocked = time.perf_counter() - since
@@ -282,6 +292,36 @@ class Checkpointer:
                 "use the original settings or a new run.name"
             )
         current.mlflow_run_id = current.mlflow_run_id or saved.mlflow_run_id
+
+
+def restore_latest(
+    checkpointer: Checkpointer, state: TrainState, session: Session, logger: RunLogger | None
+) -> tuple[int | None, set[str]]:
+    """Delete uncommitted saves, then load the committed checkpoint (or an older one if corrupt).
+
+    Returns the step loaded (None on a fresh start) and the state keys the checkpoint held.
+    """
+    latest = session.latest_checkpoint()
+    committed = step_of(latest) if latest else 0
+    if dist.get_rank() == 0:
+        removed = cleanup(session.run_root, committed)
+        if removed:
+            log.warning("deleted incomplete or uncommitted checkpoints at steps %s", removed)
+            if logger:
+                logger.event("uncommitted_checkpoints_deleted", steps=removed)
+    dist.barrier(group=checkpointer.control_group)
+    if latest is None:
+        return None, set()
+    older = sorted((s for s, done in list_step_dirs(session.run_root).items() if done and s < committed), reverse=True)
+    candidates = [latest] + [step_path(session.run_root, s) for s in older]
+
+    def on_corrupt(path: str, reason: str) -> None:
+        if logger:
+            logger.event("corrupt_checkpoint", path=path, reason=reason)
+            logger.tags({"last_corrupt_checkpoint": f"{path}: {reason}"})
+
+    loaded, keys = checkpointer.restore(state, candidates, on_corrupt)
+    return (step_of(loaded) if loaded else None), keys
 
 
 def load_model_state_dict(checkpoint_dir: str) -> dict[str, torch.Tensor]:

@@ -12,6 +12,10 @@ fires once per run: the firing rank writes `<run folder>/faults/<index>-<step>.f
 restarted attempt (or the steps re-run after a rollback) passes it; `slow` and `slow_save` are
 properties of the machine and fire on every pass.
 
+The injector is a step hook (`raytrain_ft.hooks`): `raise`/`kill` fire in `before_step`, `bitflip`,
+`hang` and `slow` in `after_optimizer_step`. `loss_factor`, `save_delay_s` and `after_save_started`
+change the step's own values and are called by the loop where they act.
+
 Before a step with a pending fault every rank calls `settle()`: the loop finishes its in-flight save
 and waits until Ray registered the commit (the controller callback acknowledges it), so the step a test expects the
 run to resume from does not depend on timing. Real failures get no such courtesy, and resume is correct
@@ -30,6 +34,7 @@ import fsspec
 import torch
 
 from raytrain_ft.config import FaultSpec
+from raytrain_ft.hooks import StepHook, StepResult
 
 KILL_DURING_SAVE_DELAY_S = 3.0  # the kill comes 0.5 s after the save started: well inside the write
 
@@ -38,9 +43,19 @@ class InjectedFault(RuntimeError):
     """The exception a `raise` fault throws."""
 
 
-class FaultInjector:
-    def __init__(self, faults: list[FaultSpec], rank: int, run_root: str):
-        self.faults, self.rank = list(enumerate(faults)), rank
+class FaultInjector(StepHook):
+    """One rank's faults. `settle`: the loop's (finish the in-flight save, wait for its commit);
+    `param`: returns the tensor a `bitflip` corrupts (this rank's first parameter tensor or shard)."""
+
+    def __init__(
+        self,
+        faults: list[FaultSpec],
+        rank: int,
+        run_root: str,
+        settle: Callable[[], object],
+        param: Callable[[], torch.Tensor],
+    ):
+        self.faults, self.rank, self.settle, self.param = list(enumerate(faults)), rank, settle, param
         self.fs, base = fsspec.core.url_to_fs(run_root)
         self.marker_dir = f"{base.rstrip('/')}/faults"
 
@@ -64,12 +79,12 @@ class FaultInjector:
         with self.fs.open(self._marker(index, step), "w") as f:
             f.write(str(time.time()))
 
-    def before_step(self, step: int, settle: Callable[[], object]) -> None:
+    def before_step(self, step: int) -> None:
         """Fire `raise` / `kill` faults due at `step` (called on every rank)."""
         due = self._pending(step, ("raise", "kill"))
         if not due:
             return
-        settle()  # also a barrier: every rank has checked the markers before any is written
+        self.settle()  # also a barrier: every rank has checked the markers before any is written
         for i, f in due:
             if self._mine(f):
                 self._mark(i, step)
@@ -106,14 +121,14 @@ class FaultInjector:
                 factor *= math.nan if f.kind == "nan" else f.factor
         return factor
 
-    def after_optimizer_step(self, step: int, param: torch.Tensor) -> None:
-        """`bitflip` (in `param`: this rank's first parameter tensor or shard), `hang` and `slow` faults of
-        this rank at `step`."""
+    def after_optimizer_step(self, result: StepResult) -> None:
+        """`bitflip` (in `param()`), `hang` and `slow` faults of this rank at `result.step`."""
+        step = result.step
         for i, f in self._pending(step, ("bitflip", "hang")):
             if self._mine(f):
                 self._mark(i, step)
                 if f.kind == "bitflip":
-                    flip_bit(param)
+                    flip_bit(self.param())
                 else:
                     time.sleep(f.seconds)
         for f in (f for _, f in self.faults if f.kind == "slow" and self._mine(f)):

@@ -16,6 +16,7 @@ Wall time runs from the MLflow run's creation (the first submission) to now. The
   - `hang`: from a hung rank's last step until its watchdog fired;
   - `startup`: from submission to the end of the first attempt's restore (workers, model build).
 
+Per step, `StepAccount` (a step hook, `raytrain_ft.hooks`) adds the step to rank 0's ledger.
 The ledger is part of the checkpoint (rank 0 only), so after a restore it covers the kept timeline
 up to that checkpoint's snapshot. The time from there to now is classified by `classify_gap` from
 the run's events (`raytrain_ft.recovery`): `failure` (controller), `attempt_start` (with
@@ -26,7 +27,10 @@ to the wall time by construction, apart from the short tail since the last step.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+
+from raytrain_ft.hooks import StepHook, StepResult
 
 PARTS = ("checkpoint_stall", "skipped_steps", "lost_work", "restart_downtime", "restore", "hang", "startup")
 
@@ -133,3 +137,13 @@ class GoodputLedger:
         self.run_start, self.accounted_until = state["run_start"], state["accounted_until"]
         self.productive_s = state["productive_s"]
         self.badput_s = {**dict.fromkeys(PARTS, 0.0), **state["badput_s"]}
+
+
+class StepAccount(StepHook):
+    """Rank 0's step hook: each step's wall time into `ledger` (`GoodputLedger.add_step`)."""
+
+    def __init__(self, ledger: GoodputLedger):
+        self.ledger = ledger
+
+    def after_optimizer_step(self, result: StepResult) -> None:
+        self.ledger.add_step(time.time(), result.stall_s, result.skipped)

@@ -13,17 +13,29 @@
   Under DDP every rank is a replica; under HSDP the ranks holding the same shard index (one per
   replica group) are compared (`replica_mismatch`); under FSDP there are no replicas and the check
   does not apply (see `raytrain_ft.parallel`).
+* `RankChecks`: the loop's rank check and replica fingerprint at their intervals, and their alerts.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+from raytrain_ft.config import GuardsSection
+
+if TYPE_CHECKING:
+    from raytrain_ft.parallel import Parallel
+    from raytrain_ft.tracking import RunLogger
+
+log = logging.getLogger(__name__)
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -108,3 +120,56 @@ def replica_checksum(tensors: list[torch.Tensor]) -> int:
         bits = p.detach().contiguous().view(torch.int32 if p.element_size() == 4 else torch.int16)
         total += bits.to(torch.int64).sum()
     return int(total.item())
+
+
+class RankChecks:
+    """`guards.rank_check` and `guards.fingerprint` at their intervals, and the alerts they raise.
+
+    Collectives on `group`: every rank calls them at the same steps and reaches the same decision.
+    An alert is logged on every rank and by rank 0 (the one with a `logger`) as an event and a
+    `rank_alerts` metric; under `guards.on_alert: restart` every rank calls `settle` (an in-flight,
+    checked checkpoint commits first: less work lost) and raises ReplicaMismatchError.
+    """
+
+    def __init__(
+        self,
+        cfg: GuardsSection,
+        par: Parallel,
+        group: dist.ProcessGroup,
+        logger: RunLogger | None,
+        settle: Callable[[], object],
+    ):
+        self.cfg, self.par, self.group, self.logger, self.settle = cfg, par, group, logger, settle
+
+    def monitor(self, step: int, local_loss: float, grad_norm: float) -> None:
+        """Cross-rank sanity check and replica fingerprint at their intervals."""
+        g = self.cfg
+        if step % g.rank_check.interval_steps == 0:
+            rows = gather_rows([local_loss, grad_norm], self.group)
+            spread = rank_spread(rows)
+            if spread.max().item() > g.rank_check.max_spread:
+                self.alert(step, "rank_spread", {"loss_grad_norm_by_rank": rows.tolist(), "spread": spread.tolist()})
+        if step % g.fingerprint.interval_steps == 0:
+            self.check_replicas(step)
+
+    def check_replicas(self, step: int) -> bool:
+        """Compare the checksums of the same shard across replicas; alert on a mismatch. True if
+        consistent, and under fsdp (no replicas: not applicable, tagged in MLflow at the start)."""
+        if not self.par.has_replicas:
+            return True
+        row = [self.par.shard_index, replica_checksum(self.par.local_parameters())]
+        rows = gather_rows(row, self.group, dtype=torch.int64)
+        if not replica_mismatch(rows):
+            return True
+        self.alert(step, "replica_mismatch", {"shard_checksum_by_rank": rows.tolist()})
+        return False
+
+    def alert(self, step: int, kind: str, detail: dict) -> None:
+        """Every rank calls this with the same decision: log it; under `restart`, raise."""
+        log.error("step %d: %s alert: %s", step, kind, detail)
+        if self.logger:
+            self.logger.event(kind, step=step, **detail)
+            self.logger.metrics(step, {"rank_alerts": 1})
+        if self.cfg.on_alert == "restart":
+            self.settle()
+            raise ReplicaMismatchError(f"step {step}: {kind} {detail}")

@@ -1,11 +1,17 @@
 """The data-parallel training loop, run on every rank. Depends on `torch.distributed`, not on Ray.
 
 Read top to bottom: `train` builds the model, optimizer, schedule and the checkpointed state,
-restores, then runs `Trainer.step` once per optimizer step: forward/backward over
-`grad_accum_steps` micro-batches -> clip (global grad norm) -> spike guard (all ranks agree) ->
-wait for the checkpoint snapshot -> optimizer step or skip -> metrics -> rank check and replica
-fingerprint at their intervals -> commit/save, or roll back after persistent spikes. Rank 0 also
-keeps the goodput ledger (`raytrain_ft.goodput`): every second of wall time in one bucket.
+restores, then runs `Trainer.step` once per optimizer step: the step's micro-batches ->
+forward/backward over `grad_accum_steps` of them -> clip (global grad norm) -> spike guard (all
+ranks agree) -> wait for the checkpoint snapshot -> optimizer step or skip -> LR scheduler ->
+advance the data position -> rank check and replica fingerprint at their intervals -> roll back
+after persistent spikes, else commit/save.
+
+The per-step side work runs in step hooks (`raytrain_ft.hooks`), in this order: fault injection
+(`faults`), rank 0's goodput ledger (`goodput.StepAccount`: every second of wall time in one
+bucket), step metrics and MFU (`step_metrics`), the data audit (`data.audit`), the watchdog beat
+(`watchdog`). Fault injection that changes the step's own values (loss multiplier, slowed or
+killed checkpoint writes) is called where it acts.
 """
 
 from __future__ import annotations
@@ -14,34 +20,26 @@ import logging
 import time
 from collections.abc import Iterator
 
-import fsspec
 import torch
 import torch.distributed as dist
 
-from raytrain_ft.checkpoint import Checkpointer, cleanup, list_step_dirs, step_of, step_path
+from raytrain_ft.checkpoint import Checkpointer, list_step_dirs, restore_latest, step_path
 from raytrain_ft.config import Config, TrainSection
 from raytrain_ft.data.audit import DataAudit
 from raytrain_ft.data.manifest import Manifest, load_manifest
 from raytrain_ft.data.order import EpochOrder, steps_per_epoch
 from raytrain_ft.data.position import BatchPlan, DataPosition
-from raytrain_ft.errors import ConfigError, StorageFullError
+from raytrain_ft.errors import ConfigError, StorageFullError, end_run
 from raytrain_ft.faults import FaultInjector
-from raytrain_ft.goodput import GoodputLedger
-from raytrain_ft.guards import (
-    ReplicaMismatchError,
-    RollbackLog,
-    SpikeGuard,
-    gather_rows,
-    rank_spread,
-    replica_checksum,
-    replica_mismatch,
-)
-from raytrain_ft.hardware import peak_flops_per_device
+from raytrain_ft.goodput import GoodputLedger, StepAccount
+from raytrain_ft.guards import RankChecks, ReplicaMismatchError, RollbackLog, SpikeGuard
+from raytrain_ft.hooks import StepHook, StepHooks, StepResult
 from raytrain_ft.interval import CheckpointSchedule, planning_mtbf_s
-from raytrain_ft.model import flops_per_token, lm_loss
+from raytrain_ft.model import lm_loss
 from raytrain_ft.parallel import build
 from raytrain_ft.recovery import failures
 from raytrain_ft.session import Session
+from raytrain_ft.step_metrics import StepMetrics
 from raytrain_ft.tracking import RunLogger
 from raytrain_ft.train_state import (
     KEY_DATA,
@@ -126,31 +124,6 @@ def step_batches(session: Session, position: DataPosition, plan: BatchPlan, step
         epoch, start = epoch + 1, 0
 
 
-RUN_ENDED_FILE = "run_ended_by_error"
-
-
-def end_run(run_root: str, message: str) -> None:
-    """Stop training without a restart: rank 0 leaves `message` in `<run folder>/run_ended_by_error`
-    for the driver, which reports it as the run's error (`raise_if_ended`)."""
-    if dist.get_rank() == 0:
-        with fsspec.open(f"{run_root.rstrip('/')}/{RUN_ENDED_FILE}", "w") as f:
-            f.write(message)
-
-
-def raise_if_ended(run_root: str) -> None:
-    """Driver, after the workers returned: raise the error a worker ended the run with, if any
-    (and remove its file, so a resubmission starts clean).
-
-    Raises:
-        StorageFullError: the message `end_run` left.
-    """
-    fs, base = fsspec.core.url_to_fs(f"{run_root.rstrip('/')}/{RUN_ENDED_FILE}")
-    if fs.exists(base):
-        message = fs.cat_file(base).decode()
-        fs.rm(base)
-        raise StorageFullError(message)
-
-
 def train(cfg: Config, session: Session, tracking_uri: str, mlflow_run_id: str) -> None:
     """Train until `cfg.train.max_steps`, resuming from the session's latest checkpoint.
 
@@ -162,10 +135,10 @@ def train(cfg: Config, session: Session, tracking_uri: str, mlflow_run_id: str) 
     try:
         while trainer.progress.step < cfg.train.max_steps:
             trainer.step()
-            trainer.watchdog.beat()
     except StorageFullError as e:  # every rank, at the same save: end the run instead of restarting
         trainer.watchdog.stop()
-        end_run(session.run_root, str(e))
+        if trainer.rank == 0:
+            end_run(session.run_root, str(e))
         return
     trainer.watchdog.stop()  # the final write may take longer than a step
     trainer.finish()
@@ -191,8 +164,6 @@ class Trainer:
         g = cfg.guards.spike
         self.guard, self.rollbacks = SpikeGuard(g.factor, g.window, g.warmup), RollbackLog()
         num_params = sum(p.numel() for p in self.par.model.parameters())
-        self.flops_per_token = flops_per_token(self.par.model, self.manifest.seq_len)
-        self.peak_flops = peak_flops_per_device(cfg.scaling) if cuda else 0.0  # no MFU on CPU
 
         self.state = TrainState(self.rank)
         self.state.add(KEY_MODEL, ModelState(self.par.model))
@@ -211,23 +182,38 @@ class Trainer:
         self.logger = RunLogger(tracking_uri, mlflow_run_id) if self.rank == 0 else None
         self.checkpointer = Checkpointer(session.run_root, self._commit)
         self.group = self.checkpointer.control_group  # CPU gloo group for guard collectives
+        self.checks = RankChecks(cfg.guards, self.par, self.group, self.logger, self.settle)
         self.audit = DataAudit(session.run_root, self.group, cfg.data.audit)
-        self.faults = FaultInjector(cfg.faults, self.rank, session.run_root)
+        self.faults = FaultInjector(
+            cfg.faults, self.rank, session.run_root, self.settle, lambda: self.par.local_parameters()[0]
+        )
         hang_logger = RunLogger(tracking_uri, mlflow_run_id)  # every rank: the hung one reports its stacks
         self.watchdog = StepWatchdog(
             cfg.failure.hang_timeout_s, session.run_root, self.rank, lambda *hang: hang_logger.hang(self.rank, *hang)
         )
-        resumed_from, loaded = restore(self.checkpointer, self.state, session, self.logger)
+        resumed_from, loaded = restore_latest(self.checkpointer, self.state, session, self.logger)
         if rng_key(self.rank) not in loaded:  # fresh start, or a rank added by an elastic resize
             seed_rngs(cfg.train.seed + self.progress.step, self.rank)
         self.watchdog.beat(step_done=False)  # restoring a large checkpoint is neither a hang nor a step
-        self.first_step, self.first_batch_at = self.progress.step + 1, 0.0
         self.batches = step_batches(session, self.position, self.plan, self.steps_per_epoch)
         self.save_due = self.preemption_saved = False
-        self.stall_seen = 0.0  # checkpointer.stall_s already accounted
         self.done = self.progress.step >= cfg.train.max_steps  # a finished run submitted again
         failure_times = self.start_attempt(init_started_at, resumed_from, KEY_GOODPUT in loaded) if self.logger else []
         self.schedule = self.checkpoint_schedule(failure_times)
+        metrics = StepMetrics(
+            cfg,
+            self.plan,
+            self.manifest.seq_len,
+            self.par.model,
+            self.scheduler,
+            self.position,
+            self.guard,
+            self.logger,
+            self.rank,
+            first_step=self.progress.step + 1,
+        )
+        account: list[StepHook] = [StepAccount(self.ledger)] if self.logger else []
+        self.hooks = StepHooks([self.faults, *account, metrics, self.audit, self.watchdog])
         log.info(
             "rank %d: start at step %d (world size %d, grad_accum_steps %d)",
             self.rank,
@@ -293,13 +279,11 @@ class Trainer:
             self.logger.refresh_loss_plot(wait=True)
 
     def step(self) -> None:
+        """One optimizer step on every rank (collectives: all ranks call it together)."""
         step = self.progress.step + 1
-        self.faults.before_step(step, settle=self.settle)
-        t0 = time.perf_counter()
+        self.hooks.before_step(step)
         micro_batches = next(self.batches)
-        if step == self.first_step:
-            self.first_batch_at = time.time()  # a recovery phase (`raytrain_ft.recovery`)
-        self.audit.record(step, torch.cat([mb["sample_id"] for mb in micro_batches]))
+        self.hooks.after_batch(step, micro_batches)
         local_loss = self.forward_backward(micro_batches, self.faults.loss_factor(step))
         grad_norm = self.par.clip_grad_norm_(self.cfg.train.grad_clip)
         skip, median = self.guard.decide(grad_norm)
@@ -314,20 +298,17 @@ class Trainer:
         self.scheduler.step()
         self.progress.step = step
         self.position.advance(self.plan.global_batch_size, self.steps_per_epoch)
-        self.faults.after_optimizer_step(step, self.par.local_parameters()[0])
         loss = totals[0].item() / self.world_size
-        stall, self.stall_seen = self.checkpointer.stall_s - self.stall_seen, self.checkpointer.stall_s
-        if self.logger:
-            self.ledger.add_step(time.time(), stall, skip)
-        self.log_step(step, loss, grad_norm, time.perf_counter() - t0, stall)
-        if skip:
-            self.record_skip(step, grad_norm, median)
-        self.monitor(step, local_loss, grad_norm)
+        self.hooks.after_optimizer_step(
+            StepResult(step, loss, grad_norm, skip, median, self.checkpointer.take_stall_s())
+        )
+        self.checks.monitor(step, local_loss, grad_norm)
         if self.guard.consecutive >= self.cfg.guards.spike.max_consecutive_skips:
             self.rollback(step)
-            return
-        self.checkpointer.poll()
-        self.maybe_save(step)
+        else:
+            self.checkpointer.poll()
+            self.maybe_save(step)
+        self.hooks.after_step(step)
 
     def forward_backward(self, micro_batches: list[dict], loss_factor: float) -> float:
         """Accumulate gradients over the micro-batches; return this rank's mean loss (float)."""
@@ -340,85 +321,13 @@ class Trainer:
             loss += micro_loss.detach()
         return loss.item()
 
-    def log_step(self, step: int, loss: float, grad_norm: float, step_time: float, stall: float) -> None:
-        if not self.logger:
-            return
-        tokens_per_s = self.plan.global_batch_size * self.manifest.seq_len / step_time
-        throughput = {"tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.world_size}
-        if self.peak_flops:  # model FLOPs utilisation (raytrain_ft.model.flops_per_token: PaLM, Appendix B)
-            throughput["mfu"] = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size)
-        self.logger.timeline.record(
-            step,
-            {
-                "loss": loss,
-                "lr": self.scheduler.get_last_lr()[0],
-                "grad_norm": grad_norm,
-                **throughput,
-                "step_time_s": step_time,
-                "epoch": self.position.epoch,
-                "checkpoint_stall_s": stall,
-            },
-            current={"last_step": step, "current_step_time_s": step_time},
-        )
-        if step == self.first_step:
-            self.logger.event("first_step", step=step, first_batch_at=self.first_batch_at)
-            self.logger.write_recovery_tables()
-        if step % 5 == 0 or step == self.first_step:
-            log.info(
-                "step %d/%d loss %.4f grad_norm %.3f %.0f tokens/s",
-                step,
-                self.cfg.train.max_steps,
-                loss,
-                grad_norm,
-                tokens_per_s,
-            )
-
-    def record_skip(self, step: int, grad_norm: float, median: float | None) -> None:
-        log.warning("rank %d: skipped step %d: grad_norm %s vs median %s", self.rank, step, grad_norm, median)
-        if self.logger:
-            self.logger.metrics(step, {"skipped_steps": self.guard.skipped})
-            self.logger.event("skipped_step", step=step, grad_norm=grad_norm, median=median)
-
-    def monitor(self, step: int, local_loss: float, grad_norm: float) -> None:
-        """Cross-rank sanity check and replica fingerprint at their intervals (collectives)."""
-        g = self.cfg.guards
-        if step % g.rank_check.interval_steps == 0:
-            rows = gather_rows([local_loss, grad_norm], self.group)
-            spread = rank_spread(rows)
-            if spread.max().item() > g.rank_check.max_spread:
-                self.alert(step, "rank_spread", {"loss_grad_norm_by_rank": rows.tolist(), "spread": spread.tolist()})
-        if step % g.fingerprint.interval_steps == 0:
-            self.check_replicas(step)
-
-    def check_replicas(self, step: int) -> bool:
-        """Compare the checksums of the same shard across replicas; alert on a mismatch. True if
-        consistent, and under fsdp (no replicas: not applicable, tagged in MLflow at the start)."""
-        if not self.par.has_replicas:
-            return True
-        row = [self.par.shard_index, replica_checksum(self.par.local_parameters())]
-        rows = gather_rows(row, self.group, dtype=torch.int64)
-        if not replica_mismatch(rows):
-            return True
-        self.alert(step, "replica_mismatch", {"shard_checksum_by_rank": rows.tolist()})
-        return False
-
-    def alert(self, step: int, kind: str, detail: dict) -> None:
-        """Every rank calls this with the same decision: log it; under `restart`, raise."""
-        log.error("step %d: %s alert: %s", step, kind, detail)
-        if self.logger:
-            self.logger.event(kind, step=step, **detail)
-            self.logger.metrics(step, {"rank_alerts": 1})
-        if self.cfg.guards.on_alert == "restart":
-            self.settle()  # let an in-flight (checked) checkpoint commit first: less work lost
-            raise ReplicaMismatchError(f"step {step}: {kind} {detail}")
-
     def maybe_save(self, step: int) -> None:
         """Periodic, final and just-in-time (preemption) saves; none while a skip streak is on."""
         # auto: never start a save while the previous one is still writing (writes must not queue)
         self.save_due |= self.schedule.due(step) and not (self.schedule.auto and self.checkpointer.pending)
         final = step == self.cfg.train.max_steps
         if (self.save_due and self.guard.consecutive == 0) or final:
-            if self.check_replicas(step) or final:
+            if self.checks.check_replicas(step) or final:
                 self.checkpointer.save(step, self.state, write_delay_s=self.faults.save_delay_s(step))
                 self.faults.after_save_started(step)
             self.schedule.saved(step)  # after a failed replica check too: the next try is an interval later
@@ -500,33 +409,3 @@ class Trainer:
             ids += order.step_sample_ids(pos.consumed // g, pos.consumed // g + 1).reshape(-1).tolist()
             pos.advance(g, self.steps_per_epoch)
         return ids
-
-
-def restore(
-    checkpointer: Checkpointer, state: TrainState, session: Session, logger: RunLogger | None
-) -> tuple[int | None, set[str]]:
-    """Delete uncommitted saves, then load the committed checkpoint (or an older one if corrupt).
-
-    Returns the step loaded (None on a fresh start) and the state keys the checkpoint held.
-    """
-    latest = session.latest_checkpoint()
-    committed = step_of(latest) if latest else 0
-    if dist.get_rank() == 0:
-        removed = cleanup(session.run_root, committed)
-        if removed:
-            log.warning("deleted incomplete or uncommitted checkpoints at steps %s", removed)
-            if logger:
-                logger.event("uncommitted_checkpoints_deleted", steps=removed)
-    dist.barrier(group=checkpointer.control_group)
-    if latest is None:
-        return None, set()
-    older = sorted((s for s, done in list_step_dirs(session.run_root).items() if done and s < committed), reverse=True)
-    candidates = [latest] + [step_path(session.run_root, s) for s in older]
-
-    def on_corrupt(path: str, reason: str) -> None:
-        if logger:
-            logger.event("corrupt_checkpoint", path=path, reason=reason)
-            logger.tags({"last_corrupt_checkpoint": f"{path}: {reason}"})
-
-    loaded, keys = checkpointer.restore(state, candidates, on_corrupt)
-    return (step_of(loaded) if loaded else None), keys

@@ -7,6 +7,8 @@ stderr (the Ray worker log) and to `<run folder>/hangs/rank<R>-<unix time>.txt`,
 with the dump and the seconds since the last step (logged to MLflow), then
 `os._exit(HANG_EXIT_CODE)`, so Ray restarts the worker group from the last checkpoint.
 
+The watchdog is a step hook (`raytrain_ft.hooks`): `after_step` beats.
+
 Timeout: `failure.hang_timeout_s`, or when it is 0 the larger of 10 x the median step time so far
 and 300 s (the design notes' rule of thumb: a step is never 10x slower when healthy).
 """
@@ -25,11 +27,13 @@ from collections.abc import Callable
 
 import fsspec
 
+from raytrain_ft.hooks import StepHook
+
 HANG_EXIT_CODE = 75
 MIN_AUTO_TIMEOUT_S = 300.0
 
 
-class StepWatchdog:
+class StepWatchdog(StepHook):
     def __init__(self, timeout_s: float, run_root: str, rank: int, on_hang: Callable[[str, float], None] | None = None):
         self.fixed_timeout_s, self.run_root, self.rank, self.on_hang = timeout_s, run_root.rstrip("/"), rank, on_hang
         self.last_beat = time.monotonic()
@@ -55,6 +59,9 @@ class StepWatchdog:
         if step_done:
             self.step_times.append(now - self.last_beat)
         self.last_beat = now
+
+    def after_step(self, step: int) -> None:
+        self.beat()
 
     def stop(self) -> None:
         self.stopped.set()

@@ -6,6 +6,7 @@ and buffers them; at every checkpoint commit the buffer is written to
 `sample_id`). Steps trained after the last commit of a failed attempt are never written: their
 work was rolled back. A step written by several attempts (after a fallback from a corrupt
 checkpoint) is read from the latest file: `read_audit` returns the lineage of the final model.
+`DataAudit` is a step hook (`raytrain_ft.hooks`): it records in `after_batch`.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 
+from raytrain_ft.hooks import StepHook
+
 AUDIT_DIR = "audit"
 
 
-class DataAudit:
+class DataAudit(StepHook):
     """One rank's side of the audit; a no-op object when disabled."""
 
     def __init__(self, run_root: str, group: dist.ProcessGroup, enabled: bool):
@@ -39,6 +42,10 @@ class DataAudit:
         dist.all_gather(gathered, ids, group=self.group)
         if dist.get_rank() == 0:
             self.rows.append((step, torch.stack(gathered).numpy()))
+
+    def after_batch(self, step: int, micro_batches: list[dict]) -> None:
+        """Record the `sample_id`s of this rank's micro-batches (collective)."""
+        self.record(step, torch.cat([mb["sample_id"] for mb in micro_batches]))
 
     def discard_after(self, step: int) -> None:
         """Drop buffered steps after `step` (their work was rolled back)."""

@@ -18,11 +18,11 @@ from raytrain_ft.checkpoint import list_step_dirs, step_path
 from raytrain_ft.config import Config, to_dict
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.position import check_world_sizes
-from raytrain_ft.errors import CheckpointError, ConfigError, UserError, find_user_error
+from raytrain_ft.errors import CheckpointError, ConfigError, UserError, find_user_error, raise_if_ended
 from raytrain_ft.launch.callbacks import RunRecorder, describe
 from raytrain_ft.launch.tracking_server import history_uri, lasting_path, tracking_store
 from raytrain_ft.launch.worker import train_func
-from raytrain_ft.loop import check_data_fits, fingerprint, raise_if_ended
+from raytrain_ft.loop import check_data_fits, fingerprint
 from raytrain_ft.memory import check_fits
 from raytrain_ft.model import build_model, model_config
 from raytrain_ft.parallel import mesh_shape, resolve_strategy

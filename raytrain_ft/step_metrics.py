@@ -1,0 +1,105 @@
+"""What every optimizer step reports: loss, learning rate, grad norm, throughput, MFU, skips.
+
+`StepMetrics` is a step hook (`raytrain_ft.hooks`) on every rank; rank 0 (the one with a
+`RunLogger`) records each step in the run's timeline (`raytrain_ft.timeline`: `loss`, `lr`,
+`grad_norm`, `tokens_per_s`, `tokens_per_s_per_device`, `mfu` on GPU, `step_time_s`, `epoch`,
+`checkpoint_stall_s`), the attempt's `first_step` event with its recovery tables, and each skipped
+step (`skipped_steps` metric, `skipped_step` event). Every rank logs its skips.
+
+Step time (seconds) runs from `before_step` to `after_optimizer_step`: batch read, forward/backward,
+clip, guard, optimizer (checkpoint stalls included; the save and the guards' checks after the
+update are not). MFU = FLOPs per token x tokens/s / (peak FLOP/s per device x world_size)
+(`raytrain_ft.model.flops_per_token`: PaLM, Appendix B; peak from `raytrain_ft.hardware`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from raytrain_ft.config import Config
+from raytrain_ft.data.position import BatchPlan, DataPosition
+from raytrain_ft.guards import SpikeGuard
+from raytrain_ft.hardware import peak_flops_per_device
+from raytrain_ft.hooks import StepHook, StepResult
+from raytrain_ft.model import flops_per_token
+from raytrain_ft.tracking import RunLogger
+
+log = logging.getLogger(__name__)
+
+
+class StepMetrics(StepHook):
+    """One rank's step reporting. `first_step`: the attempt's first step (after the restore)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        plan: BatchPlan,
+        seq_len: int,
+        model: torch.nn.Module,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        position: DataPosition,
+        guard: SpikeGuard,
+        logger: RunLogger | None,
+        rank: int,
+        first_step: int,
+    ):
+        self.max_steps, self.plan, self.seq_len = cfg.train.max_steps, plan, seq_len
+        self.scheduler, self.position, self.guard, self.logger, self.rank = scheduler, position, guard, logger, rank
+        self.first_step, self.first_batch_at, self.started = first_step, 0.0, 0.0
+        self.flops_per_token = flops_per_token(model, seq_len)
+        self.peak_flops = peak_flops_per_device(cfg.scaling) if torch.cuda.is_available() else 0.0  # no MFU on CPU
+
+    def before_step(self, step: int) -> None:
+        self.started = time.perf_counter()
+
+    def after_batch(self, step: int, micro_batches: list[dict]) -> None:
+        if step == self.first_step:
+            self.first_batch_at = time.time()  # a recovery phase (`raytrain_ft.recovery`)
+
+    def after_optimizer_step(self, r: StepResult) -> None:
+        self.log_step(r, time.perf_counter() - self.started)
+        if r.skipped:
+            self.record_skip(r)
+
+    def log_step(self, r: StepResult, step_time: float) -> None:
+        if not self.logger:
+            return
+        world_size = self.plan.world_size
+        tokens_per_s = self.plan.global_batch_size * self.seq_len / step_time
+        throughput = {"tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / world_size}
+        if self.peak_flops:
+            throughput["mfu"] = self.flops_per_token * tokens_per_s / (self.peak_flops * world_size)
+        self.logger.timeline.record(
+            r.step,
+            {
+                "loss": r.loss,
+                "lr": self.scheduler.get_last_lr()[0],
+                "grad_norm": r.grad_norm,
+                **throughput,
+                "step_time_s": step_time,
+                "epoch": self.position.epoch,
+                "checkpoint_stall_s": r.stall_s,
+            },
+            current={"last_step": r.step, "current_step_time_s": step_time},
+        )
+        if r.step == self.first_step:
+            self.logger.event("first_step", step=r.step, first_batch_at=self.first_batch_at)
+            self.logger.write_recovery_tables()
+        if r.step % 5 == 0 or r.step == self.first_step:
+            log.info(
+                "step %d/%d loss %.4f grad_norm %.3f %.0f tokens/s",
+                r.step,
+                self.max_steps,
+                r.loss,
+                r.grad_norm,
+                tokens_per_s,
+            )
+
+    def record_skip(self, r: StepResult) -> None:
+        log.warning("rank %d: skipped step %d: grad_norm %s vs median %s", self.rank, r.step, r.grad_norm, r.median)
+        if self.logger:
+            self.logger.metrics(r.step, {"skipped_steps": self.guard.skipped})
+            self.logger.event("skipped_step", step=r.step, grad_norm=r.grad_norm, median=r.median)
