@@ -1,4 +1,5 @@
-"""Shared by the benchmark scripts: print a result as JSON and write it under benchmarks/results/."""
+"""Shared by the benchmark scripts: print a result as JSON and as a README table (Markdown), and
+write the JSON under benchmarks/results/."""
 
 from __future__ import annotations
 
@@ -12,8 +13,22 @@ def default_out(name: str) -> str:
     return os.path.join(RESULTS, f"{name}.json")
 
 
+def scalars(result: dict, prefix: str = "") -> dict[str, object]:
+    """The result's numbers and strings by dotted key (nested dicts flattened; lists left out)."""
+    flat: dict[str, object] = {}
+    for k, v in result.items():
+        if isinstance(v, dict):
+            flat.update(scalars(v, f"{prefix}{k}."))
+        elif not isinstance(v, list):
+            flat[f"{prefix}{k}"] = v
+    return flat
+
+
 def report(result: dict, out: str) -> None:
     print(json.dumps(result, indent=2))
+    print("\n| measure | value |\n|---|---|")
+    for k, v in scalars(result).items():
+        print(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=2)

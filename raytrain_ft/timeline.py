@@ -16,9 +16,12 @@ checkpoint it resumes from. So rank 0 logs each step's metrics under three prefi
   after a rollback.
 
 All logging happens on one background thread in batches (`MAX_BATCH` values per request), so a
-slow tracking server never blocks a training step; `drain` waits for it. Known gap: when a corrupt
-checkpoint makes a restart resume from an older one, the steps between the two are already on the
-kept timeline and get a second value there.
+slow tracking server never blocks a training step; `drain` waits for it.
+
+A restart that falls back from a corrupt checkpoint to an older one re-runs steps that are already
+on the kept timeline. Training is deterministic in (seed, step), so the re-run values equal the kept
+ones: the kept value stays, the re-run one is not published again (it is under `live/`), and those
+steps are not discarded (the run's final weights were trained on them).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class StepTimeline:
         self.client, self.run_id = client, run_id
         self.pending: list[tuple[int, int, dict[str, float]]] = []  # (step, time ms, values), not published
         self.covered = 0  # the newest committed step (registration maybe not confirmed yet)
+        self.kept_before: dict[str, set[int]] = {}  # steps each key had on the kept timeline at this attempt's start
         self._queue: queue.Queue[list[Metric] | Callable[[], None]] = queue.Queue()
         self._thread: threading.Thread | None = None
 
@@ -86,12 +90,12 @@ class StepTimeline:
         batch = []
         for live_key in live_keys:
             key = live_key[len(LIVE) :]
-            kept = {m.step for m in self.client.get_metric_history(self.run_id, key)}
+            kept = self.kept_before[key] = {m.step for m in self.client.get_metric_history(self.run_id, key)}
             newest: dict[int, Metric] = {}  # a step re-run after a rollback: its newest value is kept
             for m in sorted(self.client.get_metric_history(self.run_id, live_key), key=lambda m: m.timestamp):
                 if not since <= m.timestamp < until:
                     continue
-                if m.step > resumed_from:
+                if m.step > resumed_from and m.step not in kept:
                     batch.append(Metric(DISCARDED + key, m.value, m.timestamp, m.step))
                 elif m.step not in kept:
                     newest[m.step] = Metric(key, m.value, m.timestamp, m.step)
@@ -130,7 +134,7 @@ class StepTimeline:
                     batch = []
                     self._call(item)
                 else:
-                    batch += item
+                    batch += [m for m in item if m.step not in self.kept_before.get(m.key, ())]
             self._log(batch)
             for _ in items:
                 self._queue.task_done()

@@ -132,16 +132,20 @@ def assert_resumed(uri: str, run_id: str, expected: list) -> list[dict]:
 STEP_METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "epoch", "checkpoint_stall_s")
 
 
-def assert_kept_timeline(cfg, run_id: str, ref_cfg, ref_run: str, discarded: list[int]) -> None:
+def assert_kept_timeline(
+    cfg, run_id: str, ref_cfg, ref_run: str, discarded: list[int], rerun_kept: tuple[int, ...] = ()
+) -> None:
     """One value per step on the kept timeline, equal to the uninterrupted run's where training is
-    deterministic; the re-run steps' first values under `discarded/`, every value under `live/`."""
+    deterministic; the re-run steps' first values under `discarded/`, every value under `live/`
+    (`rerun_kept`: steps that ran twice and kept their first value, after a corrupt-checkpoint fallback)."""
     client, steps = MlflowClient(cfg.tracking.uri), list(range(1, cfg.train.max_steps + 1))
     for key in STEP_METRICS:
         assert sorted(m.step for m in client.get_metric_history(run_id, key)) == steps, key
         assert sorted(m.step for m in client.get_metric_history(run_id, f"discarded/{key}")) == discarded, key
     for key in ("loss", "lr", "grad_norm", "epoch"):
         assert metric_by_step(cfg, run_id, key) == metric_by_step(ref_cfg, ref_run, key), key
-    assert sorted(m.step for m in client.get_metric_history(run_id, "live/loss")) == sorted(steps + discarded)
+    live = sorted(steps + discarded + list(rerun_kept))
+    assert sorted(m.step for m in client.get_metric_history(run_id, "live/loss")) == live
 
 
 def uninterrupted_lrs(train: TrainSection) -> dict[int, float]:

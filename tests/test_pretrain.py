@@ -82,6 +82,9 @@ def test_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path, dataset, re
     assert_resumed(cfg.tracking.uri, run_id, [0, 15])  # the first submission, then the fallback to 15
     assert "step-20" in MlflowClient(cfg.tracking.uri).get_run(run_id).data.tags["last_corrupt_checkpoint"]
     assert_same_state(final_state(cfg, 30), reference[2])
+    # steps 16-20 ran twice (kept values from the first submission, equal re-run values not logged
+    # again); only 21-22 were lost
+    assert_kept_timeline(cfg, run_id, reference[0], reference[1], discarded=[21, 22], rerun_kept=(16, 17, 18, 19, 20))
 
 
 def test_checkpoints_without_rays_run_state_are_kept_and_refused_in_one_line(tmp_path, dataset, reference):
