@@ -66,8 +66,12 @@ class DataAudit(StepHook):
         )
         fs, base = fsspec.core.url_to_fs(f"{self.run_root}/{AUDIT_DIR}")
         fs.makedirs(base, exist_ok=True)
-        with fs.open(f"{base}/{time.time_ns()}-{self.rows[0][0]}-{self.rows[-1][0]}.parquet", "wb") as f:
+        # written under a temporary name, then renamed: a rank killed mid-write (an elastic resize
+        # tearing the group down during a save) leaves a `.partial` file, never a torn audit file
+        path = f"{base}/{time.time_ns()}-{self.rows[0][0]}-{self.rows[-1][0]}.parquet"
+        with fs.open(path + ".partial", "wb") as f:
             pq.write_table(table, f)
+        fs.mv(path + ".partial", path)
         self.rows = []
 
 
@@ -78,7 +82,8 @@ def read_audit(run_root: str) -> pa.Table:
         FileNotFoundError: the run wrote no audit (`data.audit` was off).
     """
     fs, base = fsspec.core.url_to_fs(f"{run_root.rstrip('/')}/{AUDIT_DIR}")
-    files = sorted(fs.ls(base, detail=False), key=lambda p: int(p.rsplit("/", 1)[-1].split("-")[0]))
+    written = [p for p in fs.ls(base, detail=False) if p.endswith(".parquet")]  # not `.partial` leftovers
+    files = sorted(written, key=lambda p: int(p.rsplit("/", 1)[-1].split("-")[0]))
     latest: dict[int, pa.Table] = {}
     for path in files:  # oldest first: later files overwrite the steps they repeat
         with fs.open(path, "rb") as f:
