@@ -34,6 +34,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from torch.distributed.checkpoint.stateful import Stateful
 
 from raytrain_ft.errors import CheckpointError, StorageFullError
 from raytrain_ft.session import Session
@@ -322,6 +323,20 @@ def restore_latest(
 
     loaded, keys = checkpointer.restore(state, candidates, on_corrupt)
     return (step_of(loaded) if loaded else None), keys
+
+
+def peek(checkpoint: str | None, components: dict[str, Stateful]) -> bool:
+    """Load small non-tensor `components` (e.g. the data position) from `checkpoint` on this rank
+    alone, with no collective, before the model exists: what the rank can start early (the data
+    pipeline) while the full `restore_latest` runs. False when there is none or it does not load
+    (the full restore then reports why)."""
+    if checkpoint is None:
+        return False
+    try:
+        dcp.load(components, storage_reader=FsspecReader(checkpoint), no_dist=True)
+    except (Exception, CheckpointException):  # CheckpointException is a BaseException
+        return False
+    return True
 
 
 def load_model_state_dict(checkpoint_dir: str) -> dict[str, torch.Tensor]:

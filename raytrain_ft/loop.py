@@ -19,11 +19,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
-from raytrain_ft.checkpoint import Checkpointer, list_step_dirs, restore_latest, step_path
+from raytrain_ft.checkpoint import Checkpointer, list_step_dirs, peek, restore_latest, step_path
 from raytrain_ft.config import Config, TrainSection
 from raytrain_ft.data.audit import DataAudit
 from raytrain_ft.data.manifest import Manifest, load_manifest
@@ -124,6 +125,20 @@ def step_batches(session: Session, position: DataPosition, plan: BatchPlan, step
         epoch, start = epoch + 1, 0
 
 
+def started(batches: Iterator[list]) -> Iterator[list]:
+    """`batches`, its first item fetched from now on in a background thread: the data pipeline
+    starts (Ray Data: read tasks, their worker processes) while the model builds and loads."""
+    fetching = ThreadPoolExecutor(1, thread_name_prefix="first-batch")
+    first = fetching.submit(next, batches)
+    fetching.shutdown(wait=False)
+
+    def chained() -> Iterator[list]:
+        yield first.result()
+        yield from batches
+
+    return chained()
+
+
 def train(cfg: Config, session: Session, tracking_uri: str, mlflow_run_id: str) -> None:
     """Train until `cfg.train.max_steps`, resuming from the session's latest checkpoint.
 
@@ -151,12 +166,21 @@ class Trainer:
         init_started_at = time.time()  # restore time (goodput) counts from here
         self.cfg, self.session = cfg, session
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # Rank 0's MLflow client is made in the background while the model builds: opening the
+        # store (for SQLite: importing SQLAlchemy, ~1.2 s here) would otherwise keep every other
+        # rank waiting in the next collective (benchmarks/goodput.py, "Where the recovery seconds go").
+        connecting = ThreadPoolExecutor(1, thread_name_prefix="mlflow-connect")
+        logger = connecting.submit(RunLogger, tracking_uri, mlflow_run_id) if self.rank == 0 else None
+        connecting.shutdown(wait=False)
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.manifest = load_manifest(cfg.data.path)
         check_data_fits(cfg, self.manifest)
         self.plan = BatchPlan(cfg.train.global_batch_size, cfg.train.micro_batch_size, self.world_size)
         self.steps_per_epoch = steps_per_epoch(self.manifest, self.plan.global_batch_size, self.plan.micro_batch_size)
+        early = DataPosition()  # read alone from the committed checkpoint: the data starts flowing now
+        peek(session.latest_checkpoint(), {KEY_DATA: Pickled(early)})
+        self.batches = started(step_batches(session, early, self.plan, self.steps_per_epoch))
 
         self.par, self.optimizer = build(cfg, self.manifest.vocab_size, self.manifest.seq_len, self.device)
         self.scheduler = lr_schedule(self.optimizer, cfg.train)
@@ -179,23 +203,26 @@ class Trainer:
         if self.rank == 0:
             self.state.add(KEY_GOODPUT, Pickled(self.ledger))
 
-        self.logger = RunLogger(tracking_uri, mlflow_run_id) if self.rank == 0 else None
         self.checkpointer = Checkpointer(session.run_root, self._commit)
+        self.logger = logger.result() if logger else None
         self.group = self.checkpointer.control_group  # CPU gloo group for guard collectives
         self.checks = RankChecks(cfg.guards, self.par, self.group, self.logger, self.settle)
         self.audit = DataAudit(session.run_root, self.group, cfg.data.audit)
         self.faults = FaultInjector(
             cfg.faults, self.rank, session.run_root, self.settle, lambda: self.par.local_parameters()[0]
         )
-        hang_logger = RunLogger(tracking_uri, mlflow_run_id)  # every rank: the hung one reports its stacks
-        self.watchdog = StepWatchdog(
-            cfg.failure.hang_timeout_s, session.run_root, self.rank, lambda *hang: hang_logger.hang(self.rank, *hang)
+        self.watchdog = StepWatchdog(  # every rank: the hung one reports its stacks (a client made then)
+            cfg.failure.hang_timeout_s,
+            session.run_root,
+            self.rank,
+            lambda *hang: RunLogger(tracking_uri, mlflow_run_id).hang(self.rank, *hang),
         )
         resumed_from, loaded = restore_latest(self.checkpointer, self.state, session, self.logger)
         if rng_key(self.rank) not in loaded:  # fresh start, or a rank added by an elastic resize
             seed_rngs(cfg.train.seed + self.progress.step, self.rank)
         self.watchdog.beat(step_done=False)  # restoring a large checkpoint is neither a hang nor a step
-        self.batches = step_batches(session, self.position, self.plan, self.steps_per_epoch)
+        if self.position != early:  # the committed checkpoint did not load: an older one did
+            self.batches = step_batches(session, self.position, self.plan, self.steps_per_epoch)
         self.save_due = self.preemption_saved = False
         self.done = self.progress.step >= cfg.train.max_steps  # a finished run submitted again
         failure_times = self.start_attempt(init_started_at, resumed_from, KEY_GOODPUT in loaded) if self.logger else []
