@@ -1,0 +1,21 @@
+"""The data audit's files: a rank killed mid-write leaves no torn file that `read_audit` reads."""
+
+import pyarrow.parquet as pq
+import torch
+import torch.distributed as dist
+
+from raytrain_ft.data.audit import AUDIT_DIR, DataAudit, read_audit
+
+
+def test_a_write_cut_by_a_kill_is_ignored_and_the_committed_steps_are_read(tmp_path, process_group):
+    audit = DataAudit(str(tmp_path), dist.group.WORLD, enabled=True)
+    audit.record(1, torch.tensor([7, 3]))
+    audit.record(2, torch.tensor([5, 1]))
+    audit.flush()
+    # what a kill mid-write leaves (the elastic test once met a 0-byte file): the next commit's
+    # file cut short under its temporary name, steps 3-4 that never committed
+    (tmp_path / AUDIT_DIR / f"{2**62}-3-4.parquet.partial").write_bytes(b"PAR1")
+    table = read_audit(str(tmp_path))
+    assert table.to_pydict() == {"step": [1, 1, 2, 2], "rank": [0, 0, 0, 0], "sample_id": [7, 3, 5, 1]}
+    (written,) = (tmp_path / AUDIT_DIR).glob("*-1-2.parquet")
+    assert pq.read_table(written).equals(table)  # the committed file was renamed into place whole
