@@ -28,7 +28,7 @@ from raytrain_ft.checkpoint import Checkpointer, list_step_dirs, peek, restore_l
 from raytrain_ft.config import Config, TrainSection
 from raytrain_ft.data.audit import DataAudit
 from raytrain_ft.data.manifest import Manifest, load_manifest
-from raytrain_ft.data.order import EpochOrder, steps_per_epoch
+from raytrain_ft.data.order import steps_per_epoch, window_sample_ids
 from raytrain_ft.data.position import BatchPlan, DataPosition
 from raytrain_ft.errors import ConfigError, StorageFullError, end_run
 from raytrain_ft.faults import FaultInjector
@@ -401,8 +401,9 @@ class Trainer:
         self.audit.discard_after(self.progress.step)
         if self.logger:
             self.logger.timeline.discard_after(self.progress.step)
-        window = self.cfg.guards.spike.skip_window_steps
-        skipped = self.window_sample_ids(window)
+        c = self.cfg
+        window = c.guards.spike.skip_window_steps
+        skipped = window_sample_ids(c.data.path, self.manifest, c.train.seed, self.position, self.plan, window)
         for _ in range(window):
             self.position.advance(self.plan.global_batch_size, self.steps_per_epoch)
         record = {
@@ -425,14 +426,3 @@ class Trainer:
             self.logger.event("rollback", **record, restore_started_at=restore_started_at)
             self.ledger.add_gap(self.logger.events(), time.time(), fresh=False)
             self.logger.metrics(step, {"rollbacks": len(self.rollbacks.rollbacks)})
-
-    def window_sample_ids(self, steps: int) -> list[int]:
-        """Sample ids of the next `steps` global batches from the current position."""
-        ids, pos, g = [], DataPosition(self.position.epoch, self.position.consumed), self.plan.global_batch_size
-        for _ in range(steps):
-            order = EpochOrder(
-                self.cfg.data.path, self.manifest, self.cfg.train.seed, pos.epoch, g, self.plan.micro_batch_size
-            )
-            ids += order.step_sample_ids(pos.consumed // g, pos.consumed // g + 1).reshape(-1).tolist()
-            pos.advance(g, self.steps_per_epoch)
-        return ids

@@ -43,6 +43,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raytrain_ft.data.manifest import Manifest
+from raytrain_ft.data.position import BatchPlan, DataPosition
 from raytrain_ft.errors import ConfigError
 
 
@@ -164,3 +165,17 @@ class EpochOrder:
         tables = [self.read(self.pieces(lanes, start_step, stop_step))]
         ids = [mb["sample_id"] for mb in self.micro_batches(lanes, start_step, stop_step, tables)]
         return np.concatenate(ids).reshape(stop_step - start_step, -1) if ids else np.zeros((0, 0), np.int64)
+
+
+def window_sample_ids(
+    path: str, manifest: Manifest, seed: int, position: DataPosition, plan: BatchPlan, steps: int
+) -> list[int]:
+    """Sample ids of the `steps` global batches from `position` on, across epoch ends (what a
+    rollback skips), each step's in lane order."""
+    g, m = plan.global_batch_size, plan.micro_batch_size
+    ids, pos, per_epoch = [], DataPosition(position.epoch, position.consumed), steps_per_epoch(manifest, g, m)
+    for _ in range(steps):
+        order = EpochOrder(path, manifest, seed, pos.epoch, g, m)
+        ids += order.step_sample_ids(pos.consumed // g, pos.consumed // g + 1).reshape(-1).tolist()
+        pos.advance(g, per_epoch)
+    return ids
