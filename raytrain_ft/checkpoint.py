@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -333,7 +334,9 @@ def peek(checkpoint: str | None, components: dict[str, Stateful]) -> bool:
     if checkpoint is None:
         return False
     try:
-        dcp.load(components, storage_reader=FsspecReader(checkpoint), no_dist=True)
+        with warnings.catch_warnings():  # DCP warns that no_dist means "torch.distributed is disabled"
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(components, storage_reader=FsspecReader(checkpoint), no_dist=True)
     except (Exception, CheckpointException):  # CheckpointException is a BaseException
         return False
     return True
