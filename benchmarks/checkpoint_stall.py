@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
 
 import torch
@@ -27,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from raytrain_ft.checkpoint import Checkpointer, step_path
 from raytrain_ft.model import build_model, lm_loss
 from raytrain_ft.train_state import ModelState, OptimizerState, TrainState
-from report import default_out, report
+from report import default_out, report, scratch
 
 
 def timed(fn) -> float:
@@ -42,7 +41,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=default_out("checkpoint_stall"))
     args = p.parse_args()
-    root = tempfile.mkdtemp(prefix="ckpt-bench-")
+    root = scratch("ckpt-bench-")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{root}/store", rank=0, world_size=1)

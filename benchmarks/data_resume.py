@@ -25,7 +25,6 @@ import dataclasses
 import os
 import shutil
 import statistics
-import tempfile
 import time
 
 import numpy as np
@@ -39,7 +38,7 @@ from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.data.prepare import PrepareSettings, prepare
 from raytrain_ft.launch.datasource import rank_datasource, rank_micro_batches
 from raytrain_ft.model import build_model, lm_loss
-from report import default_out, report
+from report import default_out, report, scratch
 
 
 def big_dataset(root: str, min_samples: int) -> tuple[str, Manifest]:
@@ -145,7 +144,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=default_out("data_resume"))
     args = p.parse_args()
-    path, m = big_dataset(tempfile.mkdtemp(prefix="data-bench-"), args.samples)
+    path, m = big_dataset(scratch("data-bench-"), args.samples)
     plan = BatchPlan(global_batch_size=64, micro_batch_size=8, world_size=2)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     steps = steps_per_epoch(m, plan.global_batch_size, plan.micro_batch_size)

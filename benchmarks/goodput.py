@@ -65,7 +65,7 @@ from raytrain_ft.launch.worker import worker_records, write_worker_record
 from raytrain_ft.model import build_model, lm_loss
 from raytrain_ft.recovery import failures, recovery_rows
 from raytrain_ft.tracking import GOODPUT_SUMMARY, RunLogger, steps_logged_since
-from report import default_out, report
+from report import default_out, report, scratch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(REPO, "data", "stdlib")
@@ -316,9 +316,9 @@ def main() -> None:
     rounds = []
     for _ in range(args.rounds):
         gaps = [rng.expovariate(1 / args.mtbf_s) for _ in range(args.kills)]
-        ours_run = ours(tempfile.mkdtemp(prefix="goodput-ours-"), gaps, args.mtbf_s, step_s, args.tail_s, rng)
+        ours_run = ours(scratch("goodput-ours-"), gaps, args.mtbf_s, step_s, args.tail_s, rng)
         step_s = ours_run["median_step_time_s"]
-        plain_run = plain(tempfile.mkdtemp(prefix="goodput-plain-"), m.vocab_size, m.seq_len, args.plain_kills, rng)
+        plain_run = plain(scratch("goodput-plain-"), m.vocab_size, m.seq_len, args.plain_kills, rng)
         rounds.append({"raytrain_ft": ours_run, "plain_ray_train": plain_run, "young_daly_bound": bound(ours_run)})
         print(json.dumps({"round": len(rounds), "elapsed_s": time.time() - started}), flush=True)
     ray.shutdown()

@@ -21,7 +21,6 @@ import math
 import os
 import random
 import statistics
-import tempfile
 import time
 
 import torch
@@ -34,7 +33,7 @@ from raytrain_ft.data.prepare import PrepareSettings, prepare
 from raytrain_ft.local_session import LocalSession
 from raytrain_ft.loop import Trainer
 from raytrain_ft.tracking import start_or_resume_run
-from report import default_out, report
+from report import default_out, report, scratch
 
 
 def bare_step(t: Trainer) -> None:
@@ -95,7 +94,7 @@ def main() -> None:
     p.add_argument("--out", default=default_out("guard_overhead"))
     args = p.parse_args()
     prepare(None, args.data, PrepareSettings())
-    tmp = tempfile.mkdtemp(prefix="guard-bench-")
+    tmp = scratch("guard-bench-")
     cfg = load_config(
         None,
         [

@@ -25,11 +25,10 @@ import os
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import threading
 import time
 
-from report import default_out, report
+from report import default_out, report, scratch
 
 DOCS_PER_FILE = 100
 
@@ -152,7 +151,7 @@ def main() -> None:
         return child(args)
     from raytrain_ft.data.prepare import file_documents, train_tokenizer
 
-    root = tempfile.mkdtemp(prefix="prepare-bench-")
+    root = scratch("prepare-bench-")
     stdlib = sysconfig.get_paths()["stdlib"]
     sources = sorted(p for p in glob.glob(f"{stdlib}/**/*.py", recursive=True) if "site-packages" not in p)
     sources = sources[:: max(1, len(sources) // args.files)][: args.files]

@@ -1,16 +1,27 @@
-"""Shared by the benchmark scripts: print a result as JSON and as a README table (Markdown), and
-write the JSON under benchmarks/results/."""
+"""Shared by the benchmark scripts: print a result as JSON and as a README table (Markdown), write
+the JSON under benchmarks/results/, and give scratch folders that are deleted at exit."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
+import tempfile
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def default_out(name: str) -> str:
     return os.path.join(RESULTS, f"{name}.json")
+
+
+def scratch(prefix: str) -> str:
+    """A new folder under the system temp dir, deleted when the benchmark exits (checkpoints of a
+    benchmark run take gigabytes: the goodput benchmark's plain runs alone ~2 GB each)."""
+    root = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
 
 
 def scalars(result: dict, prefix: str = "") -> dict[str, object]:

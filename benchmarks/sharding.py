@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 
 import torch
@@ -35,7 +34,7 @@ from raytrain_ft.config import load_config
 from raytrain_ft.model import lm_loss
 from raytrain_ft.parallel import build, local
 from raytrain_ft.train_state import KEY_MODEL, KEY_OPTIM, ModelState, OptimizerState, TrainState
-from report import default_out, report
+from report import default_out, report, scratch
 
 PRESET, VOCAB, SEQ_LEN, MICRO_BATCH = "small", 8192, 256, 2
 WORLD_SIZE = 2
@@ -121,7 +120,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=default_out("sharding"))
     args = p.parse_args()
-    root = tempfile.mkdtemp(prefix="sharding-bench-")
+    root = scratch("sharding-bench-")
     raw = os.path.join(root, "raw.json")
     mp.spawn(worker, args=(args, root, raw), nprocs=WORLD_SIZE)
     with open(raw) as f:
