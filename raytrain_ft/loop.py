@@ -1,11 +1,12 @@
 """The data-parallel training loop, run on every rank. Depends on `torch.distributed`, not on Ray.
 
-Read top to bottom: `train` builds the model, optimizer, schedule and the checkpointed state,
-restores, then runs `Trainer.step` once per optimizer step: the step's micro-batches ->
-forward/backward over `grad_accum_steps` of them -> clip (global grad norm) -> spike guard (all
-ranks agree) -> wait for the checkpoint snapshot -> optimizer step or skip -> LR scheduler ->
-advance the data position -> rank check and replica fingerprint at their intervals -> roll back
-after persistent spikes, else commit/save.
+Read top to bottom: `train` starts the data pipeline at the committed checkpoint's data position,
+builds the model, optimizer, schedule and the checkpointed state, restores, then runs
+`Trainer.step` once per optimizer step: the step's micro-batches -> forward/backward over
+`grad_accum_steps` of them -> clip (global grad norm) -> spike guard (all ranks agree) -> wait for
+the checkpoint snapshot -> optimizer step or skip -> LR scheduler -> advance the data position ->
+rank check and replica fingerprint at their intervals -> roll back after persistent spikes, else
+commit/save.
 
 The per-step side work runs in step hooks (`raytrain_ft.hooks`), in this order: fault injection
 (`faults`), rank 0's goodput ledger (`goodput.StepAccount`: every second of wall time in one

@@ -153,7 +153,8 @@ class EpochOrder:
                 buffered[j] = [rows.slice(m)]
                 tokens = rows.column("tokens").slice(0, m).combine_chunks()
                 yield {
-                    "sample_id": rows.column("sample_id").slice(0, m).to_numpy(),
+                    # astype copies: arrow's zero-copy arrays are read-only, which torch.from_numpy warns about
+                    "sample_id": rows.column("sample_id").slice(0, m).to_numpy().astype(np.int64),
                     "tokens": tokens.flatten().to_numpy().astype(np.int64).reshape(m, tokens.type.list_size),
                 }
 
