@@ -18,6 +18,7 @@ Life of a checkpoint (see README "Fault-tolerance guarantees"):
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -326,20 +327,17 @@ def restore_latest(
     return (step_of(loaded) if loaded else None), keys
 
 
-def peek(checkpoint: str | None, components: dict[str, Stateful]) -> bool:
+def peek(checkpoint: str | None, components: dict[str, Stateful]) -> None:
     """Load small non-tensor `components` (e.g. the data position) from `checkpoint` on this rank
     alone, with no collective, before the model exists: what the rank can start early (the data
-    pipeline) while the full `restore_latest` runs. False when there is none or it does not load
-    (the full restore then reports why)."""
+    pipeline) while the full `restore_latest` runs. Leaves them as they are when there is no
+    checkpoint or it does not load (the full restore then reports why)."""
     if checkpoint is None:
-        return False
-    try:
-        with warnings.catch_warnings():  # DCP warns that no_dist means "torch.distributed is disabled"
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load(components, storage_reader=FsspecReader(checkpoint), no_dist=True)
-    except (Exception, CheckpointException):  # CheckpointException is a BaseException
-        return False
-    return True
+        return
+    with contextlib.suppress(Exception, CheckpointException), warnings.catch_warnings():
+        # CheckpointException is a BaseException; DCP warns that no_dist means "torch.distributed is disabled"
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(components, storage_reader=FsspecReader(checkpoint), no_dist=True)
 
 
 def load_model_state_dict(checkpoint_dir: str) -> dict[str, torch.Tensor]:

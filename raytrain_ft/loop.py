@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -66,6 +67,7 @@ from raytrain_ft.train_state import (
 from raytrain_ft.watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def lr_schedule(optimizer: torch.optim.Optimizer, t: TrainSection) -> torch.optim.lr_scheduler.LRScheduler:
@@ -126,12 +128,19 @@ def step_batches(session: Session, position: DataPosition, plan: BatchPlan, step
         epoch, start = epoch + 1, 0
 
 
+def in_background(fn: Callable[..., T], *args) -> Future[T]:
+    """`fn(*args)` running from now on in its own thread (attempt start-up work that overlaps)."""
+    pool = ThreadPoolExecutor(1)
+    try:
+        return pool.submit(fn, *args)
+    finally:
+        pool.shutdown(wait=False)
+
+
 def started(batches: Iterator[list]) -> Iterator[list]:
     """`batches`, its first item fetched from now on in a background thread: the data pipeline
     starts (Ray Data: read tasks, their worker processes) while the model builds and loads."""
-    fetching = ThreadPoolExecutor(1, thread_name_prefix="first-batch")
-    first = fetching.submit(next, batches)
-    fetching.shutdown(wait=False)
+    first = in_background(next, batches)
 
     def chained() -> Iterator[list]:
         yield first.result()
@@ -170,9 +179,7 @@ class Trainer:
         # Rank 0's MLflow client is made in the background while the model builds: opening the
         # store (for SQLite: importing SQLAlchemy, ~1.2 s here) would otherwise keep every other
         # rank waiting in the next collective (benchmarks/goodput.py, "Where the recovery seconds go").
-        connecting = ThreadPoolExecutor(1, thread_name_prefix="mlflow-connect")
-        logger = connecting.submit(RunLogger, tracking_uri, mlflow_run_id) if self.rank == 0 else None
-        connecting.shutdown(wait=False)
+        logger = in_background(RunLogger, tracking_uri, mlflow_run_id) if self.rank == 0 else None
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.manifest = load_manifest(cfg.data.path)
