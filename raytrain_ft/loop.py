@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,6 @@ from raytrain_ft.parallel import build
 from raytrain_ft.recovery import failures
 from raytrain_ft.session import Session
 from raytrain_ft.step_metrics import StepMetrics
-from raytrain_ft.tracking import RunLogger
 from raytrain_ft.train_state import (
     KEY_DATA,
     KEY_GOODPUT,
@@ -65,6 +64,9 @@ from raytrain_ft.train_state import (
     seed_rngs,
 )
 from raytrain_ft.watchdog import StepWatchdog
+
+if TYPE_CHECKING:
+    from raytrain_ft.tracking import RunLogger
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -128,6 +130,15 @@ def step_batches(session: Session, position: DataPosition, plan: BatchPlan, step
         epoch, start = epoch + 1, 0
 
 
+def run_logger(tracking_uri: str, mlflow_run_id: str) -> RunLogger:
+    """The MLflow client of one rank. `raytrain_ft.tracking` (MLflow, ~0.8 s of CPU to import) is
+    imported here, not with this module: only rank 0, or a rank reporting a hang, ever logs, and
+    on a restart every CPU second of the other ranks is on the recovery's critical path."""
+    from raytrain_ft.tracking import RunLogger
+
+    return RunLogger(tracking_uri, mlflow_run_id)
+
+
 def in_background(fn: Callable[..., T], *args) -> Future[T]:
     """`fn(*args)` running from now on in its own thread (attempt start-up work that overlaps)."""
     pool = ThreadPoolExecutor(1)
@@ -179,7 +190,7 @@ class Trainer:
         # Rank 0's MLflow client is made in the background while the model builds: opening the
         # store (for SQLite: importing SQLAlchemy, ~1.2 s here) would otherwise keep every other
         # rank waiting in the next collective (benchmarks/goodput.py, "Where the recovery seconds go").
-        logger = in_background(RunLogger, tracking_uri, mlflow_run_id) if self.rank == 0 else None
+        logger = in_background(run_logger, tracking_uri, mlflow_run_id) if self.rank == 0 else None
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.manifest = load_manifest(cfg.data.path)
@@ -223,7 +234,7 @@ class Trainer:
             cfg.failure.hang_timeout_s,
             session.run_root,
             self.rank,
-            lambda *hang: RunLogger(tracking_uri, mlflow_run_id).hang(self.rank, *hang),
+            lambda *hang: run_logger(tracking_uri, mlflow_run_id).hang(self.rank, *hang),
         )
         resumed_from, loaded = restore_latest(self.checkpointer, self.state, session, self.logger)
         if rng_key(self.rank) not in loaded:  # fresh start, or a rank added by an elastic resize

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,7 +26,9 @@ from raytrain_ft.guards import SpikeGuard
 from raytrain_ft.hardware import peak_flops_per_device
 from raytrain_ft.hooks import StepHook, StepResult
 from raytrain_ft.model import flops_per_token
-from raytrain_ft.tracking import RunLogger
+
+if TYPE_CHECKING:
+    from raytrain_ft.tracking import RunLogger
 
 log = logging.getLogger(__name__)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import re
 
-import fsspec
 from ray.train.v2.api.callback import UserCallback
 
+from raytrain_ft.launch.run_files import write_commit_ack
 from raytrain_ft.recovery import CONSEQUENCE, KILLED, cause_text
 from raytrain_ft.tracking import RunLogger
 
@@ -56,9 +56,6 @@ def plain_cause(exc: BaseException) -> str:
     return describe(exc)
 
 
-COMMIT_ACK_FILE = "last_commit_ack"
-
-
 class RunRecorder(UserCallback):
     """Runs on the controller.
 
@@ -74,8 +71,7 @@ class RunRecorder(UserCallback):
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
         if checkpoint is not None:
-            with fsspec.open(f"{self.run_root.rstrip('/')}/{COMMIT_ACK_FILE}", "w") as f:
-                f.write(checkpoint.path)
+            write_commit_ack(self.run_root, checkpoint.path)
 
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
         # Ray restarts the group only after this returns: one read, one tag write, one event file.

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from collections.abc import Iterator
 
-import fsspec
 import ray.train
 import torch
 from ray.train import Checkpoint, CheckpointUploadMode
@@ -17,40 +14,11 @@ from raytrain_ft import loop
 from raytrain_ft.config import from_dict
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.position import BatchPlan
-from raytrain_ft.launch.callbacks import COMMIT_ACK_FILE
 from raytrain_ft.launch.datasource import rank_micro_batches
+from raytrain_ft.launch.run_files import read_commit_ack, write_worker_record
 
 log = logging.getLogger(__name__)
 FLUSH_TIMEOUT_S = 60
-
-
-def _record_path(run_root: str, rank: int) -> str:
-    return f"{run_root.rstrip('/')}/workers/rank{rank}.json"
-
-
-def write_worker_record(run_root: str, rank: int) -> None:
-    """Write `<run folder>/workers/rank<r>.json` (this process's pid, node IP, start time in unix
-    seconds), once per attempt: which process to `py-spy dump` when a rank misbehaves, and which one
-    a chaos test or `benchmarks/goodput.py` kills."""
-    record = {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "started_at": time.time()}
-    with fsspec.open(_record_path(run_root, rank), "w", auto_mkdir=True) as f:
-        json.dump(record, f)
-
-
-def worker_records(run_root: str, world_size: int, since: float) -> dict[int, dict] | None:
-    """{rank: record} of the attempt whose `world_size` workers all started after unix time `since`,
-    once each wrote its record (`write_worker_record`); None until then."""
-    records = {}
-    for rank in range(world_size):
-        try:
-            with fsspec.open(_record_path(run_root, rank), "r") as f:
-                record = json.load(f)
-        except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or being written
-            return None
-        if record["started_at"] <= since:
-            return None
-        records[rank] = record
-    return records
 
 
 class RaySession:
@@ -92,18 +60,11 @@ class RaySession:
             return
         deadline = time.monotonic() + FLUSH_TIMEOUT_S
         expected = self.last_commit.split("://", 1)[-1]  # Ray records paths without the scheme
-        while (self._acknowledged() or "").split("://", 1)[-1] != expected:
+        while (read_commit_ack(self.run_root) or "").split("://", 1)[-1] != expected:
             if time.monotonic() > deadline:
                 log.warning("commit of %s not acknowledged after %d s", self.last_commit, FLUSH_TIMEOUT_S)
                 return
             time.sleep(0.05)
-
-    def _acknowledged(self) -> str | None:
-        try:
-            with fsspec.open(f"{self.run_root.rstrip('/')}/{COMMIT_ACK_FILE}", "r") as f:
-                return f.read()
-        except OSError:  # not written yet, or (object stores: s3fs FileExpired) replaced while being read
-            return None
 
     def preemption_pending(self) -> bool:
         # A collective in Ray Train (rank 0's view is broadcast): the loop calls it on every rank each step.
