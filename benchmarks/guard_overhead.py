@@ -47,7 +47,7 @@ def bare_step(t: Trainer) -> None:
 def worker(rank: int, args, cfg, uri: str, run_id: str, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    t = Trainer(cfg, LocalSession(os.path.join(cfg.run.storage_path, cfg.run.name), cfg.data.path, 0), uri, run_id)
+    t = Trainer(cfg, LocalSession(os.path.join(cfg.run.storage_path, cfg.run.name), cfg.data.path, 0, uri, run_id))
     for _ in range(args.steps - 1):  # warm-up, and the next full round starts at a checkpoint step
         t.step()
     t.checkpointer.wait()

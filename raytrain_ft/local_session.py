@@ -15,15 +15,20 @@ import torch.distributed as dist
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import EpochOrder
 from raytrain_ft.data.position import BatchPlan
+from raytrain_ft.tracking import RunLogger
 
 LATEST = "latest_checkpoint"
 
 
 class LocalSession:
-    def __init__(self, run_root: str, data_path: str, seed: int):
+    def __init__(self, run_root: str, data_path: str, seed: int, tracking_uri: str, mlflow_run_id: str):
         self.run_root, self.data_path, self.seed = run_root.rstrip("/"), data_path, seed
+        self.tracking_uri, self.mlflow_run_id = tracking_uri, mlflow_run_id
         self.manifest = load_manifest(data_path)
         self.fs, self.base = fsspec.core.url_to_fs(self.run_root)
+
+    def run_logger(self, attempt: bool) -> RunLogger:
+        return RunLogger(self.tracking_uri, self.mlflow_run_id)  # in this process: no restarts here
 
     def latest_checkpoint(self) -> str | None:
         path = f"{self.base}/{LATEST}"

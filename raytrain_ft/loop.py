@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -65,11 +64,7 @@ from raytrain_ft.train_state import (
 )
 from raytrain_ft.watchdog import StepWatchdog
 
-if TYPE_CHECKING:
-    from raytrain_ft.tracking import RunLogger
-
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 def lr_schedule(optimizer: torch.optim.Optimizer, t: TrainSection) -> torch.optim.lr_scheduler.LRScheduler:
@@ -130,28 +125,12 @@ def step_batches(session: Session, position: DataPosition, plan: BatchPlan, step
         epoch, start = epoch + 1, 0
 
 
-def run_logger(tracking_uri: str, mlflow_run_id: str) -> RunLogger:
-    """The MLflow client of one rank. `raytrain_ft.tracking` (MLflow, ~0.8 s of CPU to import) is
-    imported here, not with this module: only rank 0, or a rank reporting a hang, ever logs, and
-    on a restart every CPU second of the other ranks is on the recovery's critical path."""
-    from raytrain_ft.tracking import RunLogger
-
-    return RunLogger(tracking_uri, mlflow_run_id)
-
-
-def in_background(fn: Callable[..., T], *args) -> Future[T]:
-    """`fn(*args)` running from now on in its own thread (attempt start-up work that overlaps)."""
-    pool = ThreadPoolExecutor(1)
-    try:
-        return pool.submit(fn, *args)
-    finally:
-        pool.shutdown(wait=False)
-
-
 def started(batches: Iterator[list]) -> Iterator[list]:
     """`batches`, its first item fetched from now on in a background thread: the data pipeline
     starts (Ray Data: read tasks, their worker processes) while the model builds and loads."""
-    first = in_background(next, batches)
+    pool = ThreadPoolExecutor(1)
+    first = pool.submit(next, batches)
+    pool.shutdown(wait=False)  # the thread ends once the first item is fetched
 
     def chained() -> Iterator[list]:
         yield first.result()
@@ -160,14 +139,14 @@ def started(batches: Iterator[list]) -> Iterator[list]:
     return chained()
 
 
-def train(cfg: Config, session: Session, tracking_uri: str, mlflow_run_id: str) -> None:
+def train(cfg: Config, session: Session) -> None:
     """Train until `cfg.train.max_steps`, resuming from the session's latest checkpoint.
 
     Raises:
         ConfigError, DataError, CheckpointError: one-line user errors (see `raytrain_ft.errors`).
         ReplicaMismatchError: a guard alert under `guards.on_alert: restart`.
     """
-    trainer = Trainer(cfg, session, tracking_uri, mlflow_run_id)
+    trainer = Trainer(cfg, session)
     try:
         while trainer.progress.step < cfg.train.max_steps:
             trainer.step()
@@ -183,14 +162,11 @@ def train(cfg: Config, session: Session, tracking_uri: str, mlflow_run_id: str) 
 class Trainer:
     """One rank's training run: the components, and `step()`."""
 
-    def __init__(self, cfg: Config, session: Session, tracking_uri: str, mlflow_run_id: str):
+    def __init__(self, cfg: Config, session: Session):
         init_started_at = time.time()  # restore time (goodput) counts from here
         self.cfg, self.session = cfg, session
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        # Rank 0's MLflow client is made in the background while the model builds: opening the
-        # store (for SQLite: importing SQLAlchemy, ~1.2 s here) would otherwise keep every other
-        # rank waiting in the next collective (benchmarks/goodput.py, "Where the recovery seconds go").
-        logger = in_background(run_logger, tracking_uri, mlflow_run_id) if self.rank == 0 else None
+        self.logger = session.run_logger(attempt=True) if self.rank == 0 else None
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.manifest = load_manifest(cfg.data.path)
@@ -217,13 +193,12 @@ class Trainer:
         self.state.add(KEY_GUARDS, Pickled(self.guard))
         self.state.add(KEY_ROLLBACKS, Pickled(self.rollbacks))
         self.state.add(rng_key(self.rank), Pickled(RNGState()))
-        self.state.add(KEY_META, RunMeta(fingerprint(cfg, self.manifest, num_params), mlflow_run_id))
+        self.state.add(KEY_META, RunMeta(fingerprint(cfg, self.manifest, num_params), session.mlflow_run_id))
         self.ledger = GoodputLedger()
         if self.rank == 0:
             self.state.add(KEY_GOODPUT, Pickled(self.ledger))
 
         self.checkpointer = Checkpointer(session.run_root, self._commit)
-        self.logger = logger.result() if logger else None
         self.group = self.checkpointer.control_group  # CPU gloo group for guard collectives
         self.checks = RankChecks(cfg.guards, self.par, self.group, self.logger, self.settle)
         self.audit = DataAudit(session.run_root, self.group, cfg.data.audit)
@@ -234,7 +209,7 @@ class Trainer:
             cfg.failure.hang_timeout_s,
             session.run_root,
             self.rank,
-            lambda *hang: run_logger(tracking_uri, mlflow_run_id).hang(self.rank, *hang),
+            lambda *hang: session.run_logger(attempt=False).hang(self.rank, *hang),
         )
         resumed_from, loaded = restore_latest(self.checkpointer, self.state, session, self.logger)
         if rng_key(self.rank) not in loaded:  # fresh start, or a rank added by an elastic resize

@@ -8,15 +8,23 @@ members.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from raytrain_ft.data.position import BatchPlan
 
+if TYPE_CHECKING:
+    from raytrain_ft.tracking import RunLogger
+
 
 class Session(Protocol):
     run_root: str  # the run's folder (local path or fsspec URL): checkpoints, fault markers, run id
+    mlflow_run_id: str  # the run's MLflow run (recorded in each checkpoint)
+
+    def run_logger(self, attempt: bool) -> RunLogger:
+        """The run's MLflow logger. `attempt=True` (rank 0, once per attempt): this attempt's, with a
+        fresh step timeline; `attempt=False`: for a one-off record (a rank reporting a hang)."""
 
     def latest_checkpoint(self) -> str | None:
         """Path of the latest committed checkpoint, or None on a fresh start."""

@@ -100,7 +100,7 @@ def auto_run(tmp_path, dataset, mtbf_hours: float) -> tuple[list[int], dict, str
     )
     root = os.path.join(cfg.run.storage_path, cfg.run.name)
     run_id = start_or_resume_run(cfg.tracking.uri, "auto", root, cfg.run.name, {})
-    train(cfg, LocalSession(root, cfg.data.path, cfg.train.seed), cfg.tracking.uri, run_id)
+    train(cfg, LocalSession(root, cfg.data.path, cfg.train.seed, cfg.tracking.uri, run_id))
     return sorted(list_step_dirs(root)), MlflowClient(cfg.tracking.uri).get_run(run_id).data, run_id
 
 

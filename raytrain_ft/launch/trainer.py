@@ -20,6 +20,7 @@ from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.position import check_world_sizes
 from raytrain_ft.errors import CheckpointError, ConfigError, UserError, find_user_error, raise_if_ended
 from raytrain_ft.launch.callbacks import RunRecorder, describe
+from raytrain_ft.launch.tracking_actor import TrackingActor, close
 from raytrain_ft.launch.tracking_server import history_uri, lasting_path, tracking_store
 from raytrain_ft.launch.worker import train_func
 from raytrain_ft.loop import check_data_fits, fingerprint
@@ -185,9 +186,10 @@ def _fit(cfg: Config, uri: str) -> str:
     run_root = os.path.join(cfg.run.storage_path, cfg.run.name)
     run_id = start_or_resume_run(uri, cfg.tracking.experiment, run_root, cfg.run.name, flatten(to_dict(cfg)))
     lo, hi = cfg.worker_range
+    tracking = TrackingActor.remote(uri, run_id)  # rank 0's MLflow client, across every restart
     trainer = TorchTrainer(
         train_func,
-        train_loop_config={"config": to_dict(cfg), "tracking_uri": uri, "mlflow_run_id": run_id},
+        train_loop_config={"config": to_dict(cfg), "tracking": tracking, "mlflow_run_id": run_id},
         scaling_config=ScalingConfig(
             num_workers=lo if lo == hi else (lo, hi),
             use_gpu=cfg.scaling.use_gpu,
@@ -224,6 +226,7 @@ def _fit(cfg: Config, uri: str) -> str:
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
+        close(tracking)
     try:
         raise_if_ended(run_root)  # a worker ended the run with an error no restart cures (a full disk)
     except UserError:

@@ -16,6 +16,7 @@ from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.launch.datasource import rank_micro_batches
 from raytrain_ft.launch.run_files import read_commit_ack, write_worker_record
+from raytrain_ft.launch.tracking_actor import RemoteRunLogger
 
 log = logging.getLogger(__name__)
 FLUSH_TIMEOUT_S = 60
@@ -24,7 +25,7 @@ FLUSH_TIMEOUT_S = 60
 class RaySession:
     """`raytrain_ft.session.Session` for a Ray Train worker."""
 
-    def __init__(self, data_path: str, seed: int):
+    def __init__(self, data_path: str, seed: int, tracking: ray.actor.ActorHandle, mlflow_run_id: str):
         ctx = ray.train.get_context()
         self.rank = ctx.get_world_rank()
         storage = ctx.get_storage()
@@ -34,8 +35,14 @@ class RaySession:
         self.run_root = path if scheme == "local" else f"{scheme}://{path}"  # fsspec URL for DCP and our files
         write_worker_record(self.run_root, self.rank)
         self.data_path, self.seed = data_path, seed
+        self.tracking, self.mlflow_run_id = tracking, mlflow_run_id
         self.manifest = load_manifest(data_path)
         self.last_commit: str | None = None
+
+    def run_logger(self, attempt: bool) -> RemoteRunLogger:
+        if attempt:
+            self.tracking.new_attempt.remote()
+        return RemoteRunLogger(self.tracking)
 
     def latest_checkpoint(self) -> str | None:
         checkpoint = ray.train.get_checkpoint()
@@ -75,7 +82,7 @@ class RaySession:
 
 
 def train_func(args: dict) -> None:
-    """`train_loop_per_worker` of the `TorchTrainer` (args: config dict, tracking URI, run id)."""
+    """`train_loop_per_worker` of the `TorchTrainer` (args: config dict, `TrackingActor`, MLflow run id)."""
     cfg = from_dict(args["config"])
-    session = RaySession(cfg.data.path, cfg.train.seed)
-    loop.train(cfg, session, args["tracking_uri"], args["mlflow_run_id"])
+    session = RaySession(cfg.data.path, cfg.train.seed, args["tracking"], args["mlflow_run_id"])
+    loop.train(cfg, session)
