@@ -61,7 +61,7 @@ from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.prepare import PrepareSettings, prepare
 from raytrain_ft.interval import daly_interval_s, expected_waste_fraction
 from raytrain_ft.launch.run_files import worker_records, write_worker_record
-from raytrain_ft.launch.trainer import WORKER_ENV, run
+from raytrain_ft.launch.trainer import RAY_NODE_ENV, WORKER_ENV, run
 from raytrain_ft.model import build_model, lm_loss
 from raytrain_ft.recovery import failures, recovery_rows
 from raytrain_ft.tracking import GOODPUT_SUMMARY, RunLogger, steps_logged_since
@@ -310,6 +310,7 @@ def main() -> None:
     m = load_manifest(DATA)
     step_s = args.step_s
     rng = random.Random(args.seed)
+    os.environ.update(RAY_NODE_ENV)  # as jobs/pretrain.py: both loops run on this raylet
     ray.init(
         address="local", num_cpus=3, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV}
     )

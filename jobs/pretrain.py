@@ -14,7 +14,7 @@ import ray
 
 from raytrain_ft.config import load_config
 from raytrain_ft.errors import UserError
-from raytrain_ft.launch.trainer import WORKER_ENV, Terminated, run
+from raytrain_ft.launch.trainer import RAY_NODE_ENV, WORKER_ENV, Terminated, run
 
 
 def init_ray(num_cpus: int) -> None:
@@ -22,6 +22,7 @@ def init_ray(num_cpus: int) -> None:
     if os.environ.get("RAY_ADDRESS"):  # set by `ray job submit` and by users of a running cluster
         ray.init(runtime_env=runtime_env)
     else:
+        os.environ.update(RAY_NODE_ENV)  # read by the local raylet this starts
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env)
 
 

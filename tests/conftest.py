@@ -22,7 +22,7 @@ from mlflow.tracking import MlflowClient
 from raytrain_ft.checkpoint import load_model_state_dict, load_tensors, step_path
 from raytrain_ft.config import TrainSection, load_config
 from raytrain_ft.data.prepare import PrepareSettings, prepare
-from raytrain_ft.launch.trainer import WORKER_ENV
+from raytrain_ft.launch.trainer import RAY_NODE_ENV, WORKER_ENV
 from raytrain_ft.loop import lr_schedule
 from raytrain_ft.tracking import RunLogger
 
@@ -44,6 +44,7 @@ def dataset(tmp_path_factory, ray_local) -> str:
 @pytest.fixture(scope="session")
 def ray_local():
     """One local Ray instance for the in-process training tests (3 logical CPUs on 2 cores)."""
+    os.environ.update(RAY_NODE_ENV)
     ray.init(
         address="local", num_cpus=3, include_dashboard=False, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=False
     )

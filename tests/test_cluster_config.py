@@ -27,6 +27,7 @@ from jsonschema import ValidationError
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 from raytrain_ft.config import load_config
+from raytrain_ft.launch.trainer import RAY_NODE_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER_FILES = ["cluster.yaml", "cluster-gcp.yaml"]
@@ -146,5 +147,7 @@ def test_commands_install_the_project_and_set_nccl_env(name):
     everything = yaml.safe_dump(config)
     assert "NCCL_TIMEOUT=" not in everything  # not read by PyTorch: failure.collective_timeout_s is
     # the auth mode is set explicitly and identically on every node
+    # ... and every raylet keeps idle workers for Ray Data's read tasks (RAY_NODE_ENV)
     for cmds in (config["head_start_ray_commands"], config["worker_start_ray_commands"]):
         assert "export RAY_AUTH_MODE=" in " ; ".join(cmds)
+        assert all(f"export {k}={v};" in " ; ".join(cmds) for k, v in RAY_NODE_ENV.items())

@@ -44,6 +44,15 @@ WORKER_ENV = {
     "TORCH_NCCL_BLOCKING_WAIT": "1",  # wait() raises on timeout rather than blocking forever
 }
 
+# Ray kills a node's idle worker processes beyond its *available* CPUs after 1 s (ray-project/ray#36766).
+# The training workers reserve the CPUs, so the 0-CPU read tasks of Ray Data (launch/datasource.py)
+# lost their idle workers between tasks, and after every restart the raylet started new Python
+# processes for them: ~1 s of CPU each on the recovery's critical path (benchmarks/goodput.py; a
+# profile showed two per restart). Every raylet keeps this many idle workers instead. Read by the
+# raylet from its environment: set where Ray starts (`ray start` in scripts/demo.sh and cluster.yaml;
+# `os.environ.update(RAY_NODE_ENV)` before a local `ray.init`, as jobs/pretrain.py does).
+RAY_NODE_ENV = {"RAY_num_workers_soft_limit": "16"}
+
 
 class RunFailed(UserError):
     """The run used up `failure.max_failures` restarts."""
