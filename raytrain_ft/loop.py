@@ -205,7 +205,7 @@ class Trainer:
         self.faults = FaultInjector(
             cfg.faults, self.rank, session.run_root, self.settle, lambda: self.par.local_parameters()[0]
         )
-        self.watchdog = StepWatchdog(  # every rank: the hung one reports its stacks (a client made then)
+        self.watchdog = StepWatchdog(  # every rank: the hung one reports its stacks
             cfg.failure.hang_timeout_s,
             session.run_root,
             self.rank,

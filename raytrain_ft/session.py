@@ -23,8 +23,9 @@ class Session(Protocol):
     mlflow_run_id: str  # the run's MLflow run (recorded in each checkpoint)
 
     def run_logger(self, attempt: bool) -> RunLogger:
-        """The run's MLflow logger. `attempt=True` (rank 0, once per attempt): this attempt's, with a
-        fresh step timeline; `attempt=False`: for a one-off record (a rank reporting a hang)."""
+        """The run's MLflow logger (a `RunLogger`, or a proxy with its interface). `attempt=True`
+        (rank 0, once per attempt): this attempt's, with a fresh step timeline; `attempt=False`:
+        for a one-off record (a rank reporting a hang)."""
 
     def latest_checkpoint(self) -> str | None:
         """Path of the latest committed checkpoint, or None on a fresh start."""

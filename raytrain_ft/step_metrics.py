@@ -87,6 +87,7 @@ class StepMetrics(StepHook):
                 "checkpoint_stall_s": r.stall_s,
             },
             current={"last_step": r.step, "current_step_time_s": step_time},
+            at=time.time(),
         )
         if r.step == self.first_step:
             self.logger.event("first_step", step=r.step, first_batch_at=self.first_batch_at)

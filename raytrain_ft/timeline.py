@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 
 from mlflow.entities import Metric
@@ -51,10 +50,11 @@ class StepTimeline:
         self._queue: queue.Queue[list[Metric] | Callable[[], None]] = queue.Queue()
         self._thread: threading.Thread | None = None
 
-    def record(self, step: int, values: dict[str, float], current: dict[str, float]) -> None:
-        """One step's metrics (`live/` now, the kept timeline later); `current` values are logged
-        at step 0, where MLflow's "latest" is the newest value (the controller reads `last_step`)."""
-        ts = int(time.time() * 1000)
+    def record(self, step: int, values: dict[str, float], current: dict[str, float], at: float) -> None:
+        """One step's metrics (`live/` now, the kept timeline later), computed at unix time `at`
+        (seconds); `current` values are logged at step 0, where MLflow's "latest" is the newest
+        value (the controller reads `last_step`)."""
+        ts = int(at * 1000)
         self.pending.append((step, ts, values))
         batch = [Metric(LIVE + k, float(v), ts, step) for k, v in values.items()]
         self._send(batch + [Metric(k, float(v), ts, 0) for k, v in current.items()])

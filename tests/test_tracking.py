@@ -9,11 +9,13 @@ import subprocess
 import sys
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from conftest import REPO
 from raytrain_ft.errors import ConfigError
+from raytrain_ft.launch.tracking_actor import RemoteRunLogger, TrackingActor, close
 from raytrain_ft.launch.tracking_server import lasting_path
-from raytrain_ft.tracking import resolve_uri
+from raytrain_ft.tracking import resolve_uri, start_or_resume_run
 
 
 def test_the_uri_is_the_config_then_mlflow_tracking_uri_then_sqlite_in_the_folder(tmp_path, monkeypatch):
@@ -68,3 +70,23 @@ def test_training_workers_do_not_import_mlflow():
     code = "import sys, raytrain_ft.launch.worker; print(sorted(m for m in sys.modules if m.split('.')[0] == 'mlflow'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_remote_logger_keeps_call_order_and_the_callers_timestamps(tmp_path, ray_local):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run_id = start_or_resume_run(uri, "remote-logger", str(tmp_path / "run"), "remote-logger", {})
+    actor = TrackingActor.remote(uri, run_id)
+    logger = RemoteRunLogger(actor)
+    t0 = 1_700_000_000.0  # the caller's clock, not the actor's
+    for step in (1, 2, 3):  # none of these calls waits
+        logger.timeline.record(step, {"loss": float(step)}, {"last_step": step}, at=t0 + step)
+    logger.timeline.committed(2)
+    logger.event("probe", step=3, time=t0 + 3.5)
+    assert [(e["kind"], e["time"]) for e in logger.events()] == [("probe", t0 + 3.5)]  # waited, runs after them
+    logger.timeline.registered()  # waited: every committed step is on the kept timeline
+    client = MlflowClient(uri)
+    live = sorted((m.step, m.timestamp) for m in client.get_metric_history(run_id, "live/loss"))
+    assert live == [(s, int((t0 + s) * 1000)) for s in (1, 2, 3)]
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == [1, 2]
+    assert getattr(logger, "__deepcopy__", None) is None  # dunders are not sent to the actor
+    close(actor)

@@ -11,6 +11,7 @@ and log through `RemoteRunLogger`.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 
 # Calls whose caller uses the result or must know it landed: the proxy waits for these.
 WAITED = frozenset({"events", "run_start", "latest_metrics", "hang", "timeline.registered"})
+WAIT_TIMEOUT_S = 120.0
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
@@ -52,26 +54,37 @@ class TrackingActor:
 
 
 def close(actor: ray.actor.ActorHandle, timeout_s: float = 60.0) -> None:
-    """End `actor` once the step values queued there are logged (at most `timeout_s` seconds)."""
+    """End `actor` once the step values queued there are logged (at most `timeout_s` seconds).
+    Never raises: it runs on the driver's way out, after a failure too."""
     with contextlib.suppress(ray.exceptions.RayError, TimeoutError):  # what was not logged is lost with it
         ray.get(actor.close.remote(), timeout=timeout_s)
-    ray.kill(actor)
+    with contextlib.suppress(ray.exceptions.RayError, ValueError):
+        ray.kill(actor)
 
 
 class RemoteRunLogger:
     """`RunLogger`'s interface, each call run by a `TrackingActor`. Calls return at once, so a slow
-    tracking server never blocks a step, except the `WAITED` ones and those passed `wait=True`."""
+    tracking server never blocks a step, except the `WAITED` ones and those passed `wait=True`,
+    which wait at most `WAIT_TIMEOUT_S` (then `ray.exceptions.GetTimeoutError`: a hung rank's
+    watchdog still exits, an attempt start fails and Ray restarts it). Errors of calls not waited
+    for are not raised here: Ray logs them ("unhandled error"), like the in-process logger's
+    warnings; tracking is not worth a failed training run. Events are stamped with the caller's
+    clock (`time`), not the actor's."""
 
     def __init__(self, actor: ray.actor.ActorHandle, prefix: str = ""):
         self._actor, self._prefix = actor, prefix
 
     def __getattr__(self, name: str):
+        if name.startswith("_"):  # copy, pickle and friends probe dunders: not logger methods
+            raise AttributeError(name)
         if name == "timeline":
             return RemoteRunLogger(self._actor, "timeline.")
         path = self._prefix + name
 
         def call(*args, **kwargs):
+            if path == "event":
+                kwargs.setdefault("time", time.time())
             ref = self._actor.call.remote(path, args, kwargs)
-            return ray.get(ref) if path in WAITED or kwargs.get("wait") else None
+            return ray.get(ref, timeout=WAIT_TIMEOUT_S) if path in WAITED or kwargs.get("wait") else None
 
         return call

@@ -224,6 +224,7 @@ def _fit(cfg: Config, uri: str) -> str:
     try:
         trainer.fit()
     except BaseException as e:
+        close(tracking, timeout_s=2.0 if sigterm.signalled else 60.0)  # queued values before the end time
         if sigterm.signalled:  # a terminal status and an end time; a resubmission sets RUNNING again
             logger.finish("KILLED")
             raise Terminated("stopped by SIGTERM") from None
@@ -235,7 +236,7 @@ def _fit(cfg: Config, uri: str) -> str:
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
-        close(tracking)
+    close(tracking)
     try:
         raise_if_ended(run_root)  # a worker ended the run with an error no restart cures (a full disk)
     except UserError:
