@@ -10,6 +10,7 @@ Two helpers every resume test uses (keep their names: other test files depend on
 from __future__ import annotations
 
 import glob
+import json
 import os
 import sysconfig
 
@@ -39,6 +40,12 @@ def dataset(tmp_path_factory, ray_local) -> str:
     out = str(tmp_path_factory.mktemp("data") / "tiny")
     prepare(STDLIB_JSON, out, PrepareSettings(seq_len=32, vocab_size=512, rows_per_row_group=2))
     return out
+
+
+def scenario_outcome(stdout: str) -> dict:
+    """The JSON object a `tests/scenarios` script prints as its outcome: its last line that is one
+    (the raylet may print warnings to the driver's stdout after it, e.g. at shutdown)."""
+    return json.loads(next(line for line in reversed(stdout.splitlines()) if line.startswith("{")))
 
 
 @pytest.fixture(scope="session")

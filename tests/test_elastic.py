@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -10,7 +9,7 @@ import sys
 import numpy as np
 from scenarios.elastic import elastic_config
 
-from conftest import COMMITTED, REPO, assert_resumed, metric_by_step, uninterrupted_lrs
+from conftest import COMMITTED, REPO, assert_resumed, metric_by_step, scenario_outcome, uninterrupted_lrs
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import EpochOrder, steps_per_epoch
@@ -38,7 +37,7 @@ def test_preemption_then_shrink_on_node_loss_then_grow_back(tmp_path, dataset):
         env={**os.environ, "RAY_AUTH_MODE": "disabled"},
     )
     assert r.returncode == 0, r.stderr[-4000:]
-    outcome = json.loads(r.stdout.strip().splitlines()[-1])
+    outcome = scenario_outcome(r.stdout)
     assert outcome["events"] == ["removed", "added"] and outcome["finished"]
     # the preemption notice made a just-in-time checkpoint and the shrunk group resumed from it
     # (nothing lost); the grown-back group resumed from a later commit, not from 0

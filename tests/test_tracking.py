@@ -3,7 +3,6 @@ that would land in Ray's temporary working-dir copy."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -11,9 +10,9 @@ import sys
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import REPO
+from conftest import REPO, scenario_outcome
 from raytrain_ft.errors import ConfigError
-from raytrain_ft.launch.tracking_actor import RemoteRunLogger, TrackingActor, close
+from raytrain_ft.launch.tracking_actor import RemoteRunLogger, close, start_tracking_actor
 from raytrain_ft.launch.tracking_server import lasting_path
 from raytrain_ft.tracking import resolve_uri, start_or_resume_run
 
@@ -52,7 +51,7 @@ def test_without_a_uri_every_node_reaches_the_tracking_server(tmp_path):
         env={**os.environ, "RAY_AUTH_MODE": "disabled"},
     )
     assert r.returncode == 0, r.stderr[-4000:]
-    outcome = json.loads(r.stdout.strip().splitlines()[-1])
+    outcome = scenario_outcome(r.stdout)
     # an mlflow server on the head's cluster-internal address, not a per-node SQLite path
     assert outcome["uri"].startswith(f"http://{outcome['head_address']}:")
     assert outcome["head_address"] not in ("0.0.0.0", "")
@@ -75,7 +74,7 @@ def test_training_workers_do_not_import_mlflow():
 def test_the_remote_logger_keeps_call_order_and_the_callers_timestamps(tmp_path, ray_local):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     run_id = start_or_resume_run(uri, "remote-logger", str(tmp_path / "run"), "remote-logger", {})
-    actor = TrackingActor.remote(uri, run_id)
+    actor = start_tracking_actor(uri, run_id)
     logger = RemoteRunLogger(actor)
     t0 = 1_700_000_000.0  # the caller's clock, not the actor's
     for step in (1, 2, 3):  # none of these calls waits

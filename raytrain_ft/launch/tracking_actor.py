@@ -3,9 +3,9 @@
 A restarted worker group would otherwise open MLflow again on rank 0 at every attempt: importing
 MLflow and opening its store (for SQLite, SQLAlchemy and a schema check) costs ~1.7 s of CPU on
 the recovery's critical path (benchmarks/goodput.py, "Where the recovery seconds go"). The driver
-starts one `TrackingActor` per submission (0 CPU; it reaches the same tracking URI as the driver,
-which `raytrain_ft.launch.tracking_server` makes reachable from every node); workers get its handle
-and log through `RemoteRunLogger`.
+starts one `TrackingActor` per submission on its own node (`start_tracking_actor`; 0 CPU; it
+reaches the same tracking URI as the driver, which `raytrain_ft.launch.tracking_server` makes
+reachable from every node); workers get its handle and log through `RemoteRunLogger`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 if TYPE_CHECKING:
     from raytrain_ft.tracking import RunLogger
@@ -51,6 +52,14 @@ class TrackingActor:
     def close(self) -> None:
         """Wait until every queued step value is logged."""
         self.logger.timeline.drain()
+
+
+def start_tracking_actor(uri: str, run_id: str) -> ray.actor.ActorHandle:
+    """The run's `TrackingActor`, on the driver's node: the head on a cluster (`ray job submit`),
+    which outlives the worker nodes that come and go (a preempted node would take the actor and
+    its queued values with it)."""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return TrackingActor.options(scheduling_strategy=here).remote(uri, run_id)
 
 
 def close(actor: ray.actor.ActorHandle, timeout_s: float = 60.0) -> None:

@@ -20,7 +20,7 @@ from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.position import check_world_sizes
 from raytrain_ft.errors import CheckpointError, ConfigError, UserError, find_user_error, raise_if_ended
 from raytrain_ft.launch.callbacks import RunRecorder, describe
-from raytrain_ft.launch.tracking_actor import TrackingActor, close
+from raytrain_ft.launch.tracking_actor import close, start_tracking_actor
 from raytrain_ft.launch.tracking_server import history_uri, lasting_path, tracking_store
 from raytrain_ft.launch.worker import train_func
 from raytrain_ft.loop import check_data_fits, fingerprint
@@ -195,7 +195,7 @@ def _fit(cfg: Config, uri: str) -> str:
     run_root = os.path.join(cfg.run.storage_path, cfg.run.name)
     run_id = start_or_resume_run(uri, cfg.tracking.experiment, run_root, cfg.run.name, flatten(to_dict(cfg)))
     lo, hi = cfg.worker_range
-    tracking = TrackingActor.remote(uri, run_id)  # rank 0's MLflow client, across every restart
+    tracking = start_tracking_actor(uri, run_id)  # rank 0's MLflow client, across every restart
     trainer = TorchTrainer(
         train_func,
         train_loop_config={"config": to_dict(cfg), "tracking": tracking, "mlflow_run_id": run_id},
