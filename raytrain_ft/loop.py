@@ -128,9 +128,9 @@ def step_batches(session: Session, position: DataPosition, plan: BatchPlan, step
 def started(batches: Iterator[list]) -> Iterator[list]:
     """`batches`, its first item fetched from now on in a background thread: the data pipeline
     starts (Ray Data: read tasks, their worker processes) while the model builds and loads."""
-    pool = ThreadPoolExecutor(1)
-    first = pool.submit(next, batches)
-    pool.shutdown(wait=False)  # the thread ends once the first item is fetched
+    fetching = ThreadPoolExecutor(1, thread_name_prefix="first-batch")  # named in stack dumps
+    first = fetching.submit(next, batches)
+    fetching.shutdown(wait=False)  # the thread ends once the first item is fetched
 
     def chained() -> Iterator[list]:
         yield first.result()

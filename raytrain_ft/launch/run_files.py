@@ -45,16 +45,20 @@ def worker_records(run_root: str, world_size: int, since: float) -> dict[int, di
     return records
 
 
+def _ack_path(run_root: str) -> str:
+    return f"{run_root.rstrip('/')}/{COMMIT_ACK_FILE}"
+
+
 def write_commit_ack(run_root: str, checkpoint_path: str) -> None:
     """Record `checkpoint_path` as the commit Ray last registered (`<run folder>/last_commit_ack`)."""
-    with fsspec.open(f"{run_root.rstrip('/')}/{COMMIT_ACK_FILE}", "w") as f:
+    with fsspec.open(_ack_path(run_root), "w") as f:
         f.write(checkpoint_path)
 
 
 def read_commit_ack(run_root: str) -> str | None:
     """The path `write_commit_ack` last wrote; None before the first, or while it is being replaced."""
     try:
-        with fsspec.open(f"{run_root.rstrip('/')}/{COMMIT_ACK_FILE}", "r") as f:
+        with fsspec.open(_ack_path(run_root), "r") as f:
             return f.read()
     except OSError:  # not written yet, or (object stores: s3fs FileExpired) replaced while being read
         return None
