@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import re
 
+import ray
 from ray.train.v2.api.callback import UserCallback
 
 from raytrain_ft.launch.run_files import write_commit_ack
+from raytrain_ft.launch.tracking_actor import RemoteRunLogger
 from raytrain_ft.recovery import CONSEQUENCE, KILLED, cause_text
-from raytrain_ft.tracking import RunLogger
 
 
 def describe(exc: BaseException) -> str:
@@ -64,10 +65,15 @@ class RunRecorder(UserCallback):
     events into the recovery history and the `restarts` metric when the next attempt starts). On every registered
     checkpoint: its path is written to `<run folder>/last_commit_ack`, so a worker can wait until
     Ray has registered a commit (`RaySession.flush`).
+
+    It logs through the run's `TrackingActor` (`tracking`), not an MLflow client of its own: Ray
+    Train ships the `RunConfig`, and with it this callback, to every worker at every worker-group
+    start, and unpickling it there imports this module; MLflow's import alone cost each restarted
+    worker ~0.8 s (`test_training_workers_do_not_import_mlflow`).
     """
 
-    def __init__(self, tracking_uri: str, run_id: str, run_root: str):
-        self.tracking_uri, self.run_id, self.run_root = tracking_uri, run_id, run_root
+    def __init__(self, tracking: ray.actor.ActorHandle, run_root: str):
+        self.tracking, self.run_root = tracking, run_root
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
         if checkpoint is not None:
@@ -75,7 +81,7 @@ class RunRecorder(UserCallback):
 
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
         # Ray restarts the group only after this returns: one read, one tag write, one event file.
-        logger = RunLogger(self.tracking_uri, self.run_id)
+        logger = RemoteRunLogger(self.tracking)
         latest = logger.latest_metrics()
         causes = {str(rank): plain_cause(e) for rank, e in sorted(worker_exceptions.items())}
         logger.tags({"last_failure_cause": cause_text(causes)})

@@ -213,7 +213,7 @@ def _fit(cfg: Config, uri: str) -> str:
             storage_path=cfg.run.storage_path,
             failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
-            callbacks=[RunRecorder(uri, run_id, run_root)],
+            callbacks=[RunRecorder(tracking, run_root)],
         ),
     )
     logger = RunLogger(uri, run_id)
