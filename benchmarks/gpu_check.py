@@ -92,7 +92,7 @@ def main() -> int:
                 "train.lr=1e-4",
             ],
         )
-        par, optimizer = build(cfg, VOCAB, SEQ_LEN, device)
+        par, optimizer = build(cfg, VOCAB, SEQ_LEN, device, resuming=False)
         model = par.model
         tokens = torch.randint(0, VOCAB, (args.batch, SEQ_LEN + 1), device=device)
 

@@ -53,7 +53,7 @@ def worker(rank: int, args, root: str, out: str) -> None:
     built = {}
     for strategy in ("ddp", "fsdp"):
         cfg = load_config(None, [f"model.preset={PRESET}", f"parallel.strategy={strategy}"])
-        built[strategy] = build(cfg, VOCAB, SEQ_LEN, torch.device("cpu"))
+        built[strategy] = build(cfg, VOCAB, SEQ_LEN, torch.device("cpu"), resuming=False)
 
     def forward_backward(par) -> None:
         with par.micro_batch(last=True):

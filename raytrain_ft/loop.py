@@ -177,7 +177,13 @@ class Trainer:
         peek(session.latest_checkpoint(), {KEY_DATA: Pickled(early)})
         self.batches = started(step_batches(session, early, self.plan, self.steps_per_epoch))
 
-        self.par, self.optimizer = build(cfg, self.manifest.vocab_size, self.manifest.seq_len, self.device)
+        self.par, self.optimizer = build(
+            cfg,
+            self.manifest.vocab_size,
+            self.manifest.seq_len,
+            self.device,
+            resuming=session.latest_checkpoint() is not None,
+        )
         self.scheduler = lr_schedule(self.optimizer, cfg.train)
         self.progress, self.position = Progress(), DataPosition()
         g = cfg.guards.spike

@@ -148,13 +148,20 @@ class Parallel:
         return [local(p) for p in self.model.parameters()]
 
 
-def build(cfg: Config, vocab_size: int, seq_len: int, device: torch.device) -> tuple[Parallel, torch.optim.Optimizer]:
+def build(
+    cfg: Config, vocab_size: int, seq_len: int, device: torch.device, resuming: bool
+) -> tuple[Parallel, torch.optim.Optimizer]:
     """The model of `cfg.model` wrapped by the strategy, and its AdamW, on every rank of the default group.
 
-    ddp: the model is built on the host with HF's initialisation under seed `train.seed` (identical
-    weights on every rank) and moved to `device`. fsdp/hsdp: it is built on the `meta` device (no
-    memory: a 70B model would need 280 GB of host memory per rank otherwise), sharded, and each
-    rank fills only its shards (`init_sharded`), so no rank ever holds the full model.
+    The model is built on the `meta` device (no memory: a 70B model would need 280 GB of host
+    memory per rank otherwise), wrapped, and allocated on `device` by `materialize`: under
+    fsdp/hsdp each rank allocates only its shards, so no rank ever holds the full model. Its
+    weights do not depend on the strategy, the mesh or the world size. `resuming`: a checkpoint is
+    about to overwrite every parameter, so the weights are left uninitialised and DDP skips its
+    initial broadcast (`init_sync`): drawing and broadcasting weights that the load replaces cost a
+    restart ~1 s on the reference machine (benchmarks/goodput.py). AdamW is PyTorch's `fused`
+    implementation (CPU and CUDA): one kernel per step instead of a Python loop over parameters,
+    and its state is created at the first step or restore without a per-parameter loop.
 
     Raises:
         ConfigError: hsdp with a shard size that does not divide the world size.
@@ -163,17 +170,17 @@ def build(cfg: Config, vocab_size: int, seq_len: int, device: torch.device) -> t
     world_size, rank = dist.get_world_size(), dist.get_rank()
     shard_size = cfg.parallel.shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     replicas, shard_size = mesh_shape(strategy, world_size, shard_size)
-    torch.manual_seed(cfg.train.seed)
-    with torch.device("meta" if strategy != "ddp" else "cpu"):
+    with torch.device("meta"):
         model = build_model(cfg.model.preset, vocab_size, seq_len, cfg.model.dropout)
     if cfg.parallel.activation_checkpointing:
         layers = model.model.layers
         for i, layer in enumerate(layers):
             layers[i] = checkpoint_wrapper(layer)
     mixed = device.type == "cuda"
+    seed = None if resuming else cfg.train.seed
     if strategy == "ddp":
-        model = model.to(device)
-        module = DDP(model, device_ids=[device.index] if mixed else None)
+        materialize(model, seed, device)
+        module = DDP(model, device_ids=[device.index] if mixed else None, init_sync=not resuming)
     else:
         if strategy == "hsdp":
             mesh = init_device_mesh(device.type, (replicas, shard_size), mesh_dim_names=("replicate", "shard"))
@@ -184,23 +191,28 @@ def build(cfg: Config, vocab_size: int, seq_len: int, device: torch.device) -> t
         for layer in model.model.layers:
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
-        init_sharded(model, cfg.train.seed, device)
+        materialize(model, seed, device)
         module = model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, fused=True)
     shard_index = rank % shard_size if strategy != "ddp" else 0
     return Parallel(strategy, module, model, replicas, shard_size, shard_index, mixed), optimizer
 
 
 @torch.no_grad()
-def init_sharded(model: torch.nn.Module, seed: int, device: torch.device) -> None:
-    """Allocate a meta-built, sharded model on `device` and initialise it as HF Llama does
-    (norm weights 1, every other weight normal(0, `initializer_range`)), one parameter at a time.
+def materialize(model: torch.nn.Module, seed: int | None, device: torch.device) -> None:
+    """Allocate a meta-built (possibly sharded) model on `device` and initialise it as HF Llama
+    does (norm weights 1, every other weight normal(0, `initializer_range`)), one parameter at a
+    time; `seed` None: leave the parameters uninitialised (a checkpoint load follows).
 
     Each parameter's full tensor is drawn from one generator seeded with `seed`, in parameter order,
-    and this rank keeps its shard of it, so the weights do not depend on the world size or the mesh.
-    The rotary embedding's buffers (not parameters, not in checkpoints) are computed again.
+    and a sharded parameter (`DTensor`) keeps this rank's shard of it, so the weights do not depend
+    on the strategy, the world size or the mesh. The rotary embedding's buffers (not parameters,
+    not in checkpoints) are computed again.
     """
     model.to_empty(device=device)
+    model.model.rotary_emb = type(model.model.rotary_emb)(model.config).to(device)
+    if seed is None:
+        return
     generator = torch.Generator(device).manual_seed(seed)
     std = model.config.initializer_range
     for name, p in model.named_parameters():
@@ -209,5 +221,6 @@ def init_sharded(model: torch.nn.Module, seed: int, device: torch.device) -> Non
             full.fill_(1.0)
         else:
             full.normal_(0.0, std, generator=generator)
-        p.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None))
-    model.model.rotary_emb = type(model.model.rotary_emb)(model.config).to(device)
+        p.copy_(
+            distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None) if isinstance(p, DTensor) else full
+        )

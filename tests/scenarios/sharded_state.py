@@ -43,7 +43,7 @@ def load_full(out: str, name: str, checkpoint: str, strategy: str) -> None:
     cfg = load_config(None, ["model.preset=tiny", f"parallel.strategy={strategy}"])
     meta = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
     vocab, hidden = meta["model.model.embed_tokens.weight"].size
-    par, optimizer = build(cfg, vocab, 32, torch.device("cpu"))
+    par, optimizer = build(cfg, vocab, 32, torch.device("cpu"), resuming=True)
     dcp.load(
         {KEY_MODEL: ModelState(par.model), KEY_OPTIM: OptimizerState(par.model, optimizer)}, checkpoint_id=checkpoint
     )
@@ -56,7 +56,7 @@ def load_full(out: str, name: str, checkpoint: str, strategy: str) -> None:
 
 def state_bytes(preset: str, vocab: int, seq_len: int, strategy: str) -> tuple[list[int], float]:
     cfg = load_config(None, [f"model.preset={preset}", f"parallel.strategy={strategy}"])
-    par, optimizer = build(cfg, vocab, seq_len, torch.device("cpu"))
+    par, optimizer = build(cfg, vocab, seq_len, torch.device("cpu"), resuming=False)
     tokens = torch.randint(0, vocab, (1, seq_len + 1), generator=torch.Generator().manual_seed(dist.get_rank()))
     with par.micro_batch(last=True):
         lm_loss(par.module, tokens).backward()
