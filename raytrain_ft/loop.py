@@ -173,17 +173,12 @@ class Trainer:
         check_data_fits(cfg, self.manifest)
         self.plan = BatchPlan(cfg.train.global_batch_size, cfg.train.micro_batch_size, self.world_size)
         self.steps_per_epoch = steps_per_epoch(self.manifest, self.plan.global_batch_size, self.plan.micro_batch_size)
-        early = DataPosition()  # read alone from the committed checkpoint: the data starts flowing now
-        peek(session.latest_checkpoint(), {KEY_DATA: Pickled(early)})
+        latest, early = session.latest_checkpoint(), DataPosition()
+        peek(latest, {KEY_DATA: Pickled(early)})  # read alone from the checkpoint: the data starts flowing now
         self.batches = started(step_batches(session, early, self.plan, self.steps_per_epoch))
 
-        self.par, self.optimizer = build(
-            cfg,
-            self.manifest.vocab_size,
-            self.manifest.seq_len,
-            self.device,
-            resuming=session.latest_checkpoint() is not None,
-        )
+        shape = self.manifest.vocab_size, self.manifest.seq_len
+        self.par, self.optimizer = build(cfg, *shape, self.device, resuming=latest is not None)
         self.scheduler = lr_schedule(self.optimizer, cfg.train)
         self.progress, self.position = Progress(), DataPosition()
         g = cfg.guards.spike

@@ -51,6 +51,14 @@ def test_fsdp_grad_norm_is_the_global_one_on_every_rank(measured, preset):
     assert fsdp[0] == fsdp[1] > 0 and ddp[0] == ddp[1] > 0
 
 
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_initial_weights_do_not_depend_on_the_strategy(measured, preset):
+    """A fresh model draws every full parameter from one generator seeded by `train.seed`, then each
+    rank keeps its part (`parallel.materialize`): DDP's replicas and FSDP's shards hold the same weights."""
+    ddp, fsdp = measured[f"initial_checksums/{preset}/ddp"], measured[f"initial_checksums/{preset}/fsdp"]
+    assert len(ddp) == len(fsdp) > 0 and ddp == fsdp
+
+
 @pytest.mark.parametrize("name", ["gpu-7b", "gpu-70b"])
 def test_shipped_gpu_configs_fit_their_node_type(name):
     cfg = load_config(os.path.join(REPO, "configs", f"{name}.yaml"))
