@@ -23,7 +23,9 @@ def init_ray(num_cpus: int) -> None:
         ray.init(runtime_env=runtime_env)
     else:
         os.environ.update(RAY_NODE_ENV)  # read by the local raylet this starts
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env)
+        # The dashboard (on 127.0.0.1) serves the State API that Ray Train's placement-group cleaner
+        # polls; without it the cleaner logs "State API may be temporarily unavailable" every second.
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, runtime_env=runtime_env)
 
 
 def main(argv: list[str] | None = None) -> int:
