@@ -277,9 +277,17 @@ class Checkpointer:
         return None, set()
 
     def _loadable(self, path: str, state: TrainState) -> dict:
-        """The components present in the checkpoint (a new rank after a resize has no RNG entry)."""
+        """The components present in the checkpoint (a new rank after a resize has no RNG entry).
+
+        Raises:
+            CheckpointError: the checkpoint holds no model weights (the model is left
+                uninitialised when a checkpoint will load: `parallel.build(resuming=True)`).
+        """
         saved = FsspecReader(path).read_metadata().state_dict_metadata
-        return {k: c for k, c in state.components.items() if any(s.startswith(k + ".") for s in saved)}
+        loadable = {k: c for k, c in state.components.items() if any(s.startswith(k + ".") for s in saved)}
+        if KEY_MODEL not in loadable:
+            raise CheckpointError(f"checkpoint {path} holds no model weights; delete it or pick a new run.name")
+        return loadable
 
     def _check_compatible(self, path: str, state: TrainState) -> None:
         current: RunMeta = state.components[KEY_META]

@@ -16,10 +16,11 @@ The injector is a step hook (`raytrain_ft.hooks`): `raise`/`kill` fire in `befor
 `hang` and `slow` in `after_optimizer_step`. `loss_factor`, `save_delay_s` and `after_save_started`
 change the step's own values and are called by the loop where they act.
 
-Before a step with a pending fault every rank calls `settle()`: the loop finishes its in-flight save
-and waits until Ray registered the commit (the controller callback acknowledges it), so the step a test expects the
-run to resume from does not depend on timing. Real failures get no such courtesy, and resume is correct
-from any older committed checkpoint (see the bitwise-resume tests).
+Before a `raise`/`kill` fault, and before a `hang` sleeps, every rank calls `settle()`: the loop
+finishes its in-flight save and waits until Ray registered the commit (the controller callback
+acknowledges it), so the step a test expects the run to resume from does not depend on timing.
+Real failures get no such courtesy, and resume is correct from any older committed checkpoint (see
+the bitwise-resume tests).
 """
 
 from __future__ import annotations
@@ -124,7 +125,10 @@ class FaultInjector(StepHook):
     def after_optimizer_step(self, result: StepResult) -> None:
         """`bitflip` (in `param()`), `hang` and `slow` faults of this rank at `result.step`."""
         step = result.step
-        for i, f in self._pending(step, ("bitflip", "hang")):
+        due = self._pending(step, ("bitflip", "hang"))
+        if any(f.kind == "hang" for _, f in due):
+            self.settle()  # the step a hung run resumes from must not depend on the save's timing
+        for i, f in due:
             if self._mine(f):
                 self._mark(i, step)
                 if f.kind == "bitflip":

@@ -1,6 +1,6 @@
 """Data-parallel strategy: DDP, FSDP2 or HSDP. The only module that knows which one runs.
 
-`build(cfg, vocab_size, seq_len, device)` is the single entry (shaped like TorchTitan's
+`build(cfg, vocab_size, seq_len, device, resuming)` is the single entry (shaped like TorchTitan's
 `parallelize_llama`): it builds the model, applies activation checkpointing, then the strategy,
 then the optimizer, and returns a `Parallel` that answers everything the loop needs
 (forward module, gradient-sync context, clipping, replica layout). The loop never branches on it.
@@ -159,7 +159,7 @@ def build(
     weights do not depend on the strategy, the mesh or the world size. `resuming`: a checkpoint is
     about to overwrite every parameter, so the weights are left uninitialised and DDP skips its
     initial broadcast (`init_sync`): drawing and broadcasting weights that the load replaces cost a
-    restart ~1 s on the reference machine (benchmarks/goodput.py). AdamW is PyTorch's `fused`
+    restart ~1 s on the reference machine (a kill probe of the demo config). AdamW is PyTorch's `fused`
     implementation (CPU and CUDA): one kernel per step instead of a Python loop over parameters,
     and its state is created at the first step or restore without a per-parameter loop.
 

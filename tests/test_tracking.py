@@ -8,10 +8,12 @@ import subprocess
 import sys
 
 import pytest
+import ray
 from mlflow.tracking import MlflowClient
 
 from conftest import REPO, scenario_outcome
 from raytrain_ft.errors import ConfigError
+from raytrain_ft.launch.callbacks import RunRecorder
 from raytrain_ft.launch.tracking_actor import RemoteRunLogger, close, start_tracking_actor
 from raytrain_ft.launch.tracking_server import lasting_path
 from raytrain_ft.tracking import resolve_uri, start_or_resume_run
@@ -93,3 +95,12 @@ def test_the_remote_logger_keeps_call_order_and_the_callers_timestamps(tmp_path,
     assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == [1, 2]
     assert getattr(logger, "__deepcopy__", None) is None  # dunders are not sent to the actor
     close(actor)
+
+
+def test_a_tracking_failure_never_stops_a_restart(tmp_path, ray_local, caplog):
+    # Ray Train ends the run when a controller callback raises: a dead tracking actor must not
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    actor = start_tracking_actor(uri, start_or_resume_run(uri, "dead-actor", str(tmp_path / "run"), "dead-actor", {}))
+    ray.kill(actor, no_restart=True)
+    RunRecorder(actor, str(tmp_path / "run")).after_exception(None, {1: RuntimeError("boom")})
+    assert "failure (rank 1: RuntimeError: boom) not recorded in MLflow" in caplog.text

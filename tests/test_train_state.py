@@ -6,6 +6,7 @@ import random
 import threading
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
@@ -13,8 +14,18 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from conftest import assert_tensors_equal
 from raytrain_ft.checkpoint import Checkpointer, _SlowWriter, load_model_state_dict, step_path
 from raytrain_ft.config import TrainSection
+from raytrain_ft.errors import CheckpointError
 from raytrain_ft.loop import lr_schedule
-from raytrain_ft.train_state import ModelState, Pickled, RNGState, TrainState
+from raytrain_ft.train_state import (
+    KEY_META,
+    KEY_MODEL,
+    ModelState,
+    Pickled,
+    Progress,
+    RNGState,
+    RunMeta,
+    TrainState,
+)
 
 
 def test_rng_states_round_trip_exactly(tmp_path):
@@ -76,3 +87,18 @@ def test_async_snapshot_is_not_torn_by_later_updates(tmp_path, process_group, mo
     assert ckpt.wait() == 7 and committed == [7]
     assert_tensors_equal(load_model_state_dict(step_path(str(tmp_path), 7)), expected)
     assert not torch.equal(model.weight, expected["weight"])
+
+
+def test_a_checkpoint_without_model_weights_is_refused(tmp_path, process_group):
+    # a resuming rank leaves its weights uninitialised (parallel.build(resuming=True)): a checkpoint
+    # that holds none must stop the run, never be "loaded" around the model
+    path = str(tmp_path / "step-3")
+    dcp.save({KEY_META: RunMeta({}), "progress": Pickled(Progress(step=3))}, storage_writer=FsspecWriter(path))
+    state = TrainState(rank=0)
+    state.add(KEY_META, RunMeta({}))
+    state.add(KEY_MODEL, ModelState(torch.nn.Linear(4, 4)))
+    state.add("progress", Pickled(Progress()))
+    corrupt = []
+    with pytest.raises(CheckpointError, match="holds no model weights"):
+        Checkpointer(str(tmp_path), lambda step, path: None).restore(state, [path], lambda *a: corrupt.append(a))
+    assert corrupt == []

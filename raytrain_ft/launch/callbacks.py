@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 
 import ray
@@ -10,6 +11,9 @@ from ray.train.v2.api.callback import UserCallback
 from raytrain_ft.launch.run_files import write_commit_ack
 from raytrain_ft.launch.tracking_actor import RemoteRunLogger
 from raytrain_ft.recovery import CONSEQUENCE, KILLED, cause_text
+
+log = logging.getLogger(__name__)
+TRACKING_TIMEOUT_S = 30.0  # the controller waits this long for each tracking call, then restarts without it
 
 
 def describe(exc: BaseException) -> str:
@@ -69,7 +73,10 @@ class RunRecorder(UserCallback):
     It logs through the run's `TrackingActor` (`tracking`), not an MLflow client of its own: Ray
     Train ships the `RunConfig`, and with it this callback, to every worker at every worker-group
     start, and unpickling it there imports this module; MLflow's import alone cost each restarted
-    worker ~0.8 s (`test_training_workers_do_not_import_mlflow`).
+    worker ~0.8 s (`test_training_workers_do_not_import_mlflow`). Each call waits (at most
+    `TRACKING_TIMEOUT_S`), so the failure is recorded before the next attempt reads the events; a
+    tracking error is logged and never decides whether Ray restarts the group (Ray Train ends the
+    run on an exception from a callback).
     """
 
     def __init__(self, tracking: ray.actor.ActorHandle, run_root: str):
@@ -81,15 +88,18 @@ class RunRecorder(UserCallback):
 
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
         # Ray restarts the group only after this returns: one read, one tag write, one event file.
-        logger = RemoteRunLogger(self.tracking)
-        latest = logger.latest_metrics()
         causes = {str(rank): plain_cause(e) for rank, e in sorted(worker_exceptions.items())}
-        logger.tags({"last_failure_cause": cause_text(causes)})
-        logger.event(
-            "failure",
-            causes=causes,
-            details={str(rank): str(e)[:20000] for rank, e in worker_exceptions.items()},  # Ray's full text
-            last_step=int(latest.get("last_step", 0)),
-            step_time_s=latest.get("current_step_time_s", 0.0),
-            world_size=int(latest.get("world_size", 0)),
-        )
+        try:
+            logger = RemoteRunLogger(self.tracking, wait_all=True, timeout_s=TRACKING_TIMEOUT_S)
+            latest = logger.latest_metrics()
+            logger.tags({"last_failure_cause": cause_text(causes)})
+            logger.event(
+                "failure",
+                causes=causes,
+                details={str(rank): str(e)[:20000] for rank, e in worker_exceptions.items()},  # Ray's full text
+                last_step=int(latest.get("last_step", 0)),
+                step_time_s=latest.get("current_step_time_s", 0.0),
+                world_size=int(latest.get("world_size", 0)),
+            )
+        except Exception as e:  # the restart goes on without this record
+            log.warning("failure (%s) not recorded in MLflow: %s", cause_text(causes), e)

@@ -73,27 +73,31 @@ def close(actor: ray.actor.ActorHandle, timeout_s: float = 60.0) -> None:
 
 class RemoteRunLogger:
     """`RunLogger`'s interface, each call run by a `TrackingActor`. Calls return at once, so a slow
-    tracking server never blocks a step, except the `WAITED` ones and those passed `wait=True`,
-    which wait at most `WAIT_TIMEOUT_S` (then `ray.exceptions.GetTimeoutError`: a hung rank's
-    watchdog still exits, an attempt start fails and Ray restarts it). Errors of calls not waited
+    tracking server never blocks a step, except the `WAITED` ones, those passed `wait=True`, and
+    all of them under `wait_all`, which wait at most `timeout_s` (then
+    `ray.exceptions.GetTimeoutError`: a hung rank's watchdog still exits, an attempt start fails
+    and Ray restarts it). Errors of calls not waited
     for are not raised here: Ray logs them ("unhandled error"), like the in-process logger's
     warnings; tracking is not worth a failed training run. Events are stamped with the caller's
     clock (`time`), not the actor's."""
 
-    def __init__(self, actor: ray.actor.ActorHandle, prefix: str = ""):
-        self._actor, self._prefix = actor, prefix
+    def __init__(
+        self, actor: ray.actor.ActorHandle, prefix: str = "", wait_all: bool = False, timeout_s: float = WAIT_TIMEOUT_S
+    ):
+        self._actor, self._prefix, self._wait_all, self._timeout_s = actor, prefix, wait_all, timeout_s
 
     def __getattr__(self, name: str):
         if name.startswith("_"):  # copy, pickle and friends probe dunders: not logger methods
             raise AttributeError(name)
         if name == "timeline":
-            return RemoteRunLogger(self._actor, "timeline.")
+            return RemoteRunLogger(self._actor, "timeline.", self._wait_all, self._timeout_s)
         path = self._prefix + name
 
         def call(*args, **kwargs):
             if path == "event":
                 kwargs.setdefault("time", time.time())
             ref = self._actor.call.remote(path, args, kwargs)
-            return ray.get(ref, timeout=WAIT_TIMEOUT_S) if path in WAITED or kwargs.get("wait") else None
+            waited = self._wait_all or path in WAITED or kwargs.get("wait")
+            return ray.get(ref, timeout=self._timeout_s) if waited else None
 
         return call
