@@ -167,7 +167,10 @@ def _history(args: argparse.Namespace) -> int:
     matches = client.search_runs(experiments, f"attributes.run_id = '{args.run}'") if len(args.run) == 32 else []
     matches = matches or client.search_runs(experiments, f"attributes.run_name = '{args.run}'")
     if not matches:
-        raise ValueError(f"no MLflow run named or with id {args.run!r} in {uri}; pass --tracking-uri")
+        raise ValueError(
+            f"no MLflow run named or with id {args.run!r} in {uri}; check the name, "
+            "or point --tracking-uri (or MLFLOW_TRACKING_URI) at the store the run logged to"
+        )
     run = matches[0]
     events = RunLogger(uri, run.info.run_id).events()
     console = Console(width=200)

@@ -12,6 +12,7 @@ import ray
 from mlflow.tracking import MlflowClient
 
 from conftest import REPO, scenario_outcome
+from raytrain_ft.cli import main
 from raytrain_ft.errors import ConfigError
 from raytrain_ft.launch.callbacks import RunRecorder
 from raytrain_ft.launch.tracking_actor import RemoteRunLogger, close, start_tracking_actor
@@ -26,6 +27,19 @@ def test_the_uri_is_the_config_then_mlflow_tracking_uri_then_sqlite_in_the_folde
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://10.0.0.5:5000")
     assert resolve_uri("") == "http://10.0.0.5:5000"
     assert resolve_uri("sqlite:////x/m.db") == "sqlite:////x/m.db"
+
+
+def test_history_of_an_unknown_run_is_one_line_naming_the_store(tmp_path, monkeypatch, capsys):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    os.makedirs(tmp_path / "run")
+    start_or_resume_run(uri, "raytrain-ft", str(tmp_path / "run"), "known", {})
+    assert main(["history", "known"]) == 0  # found through MLFLOW_TRACKING_URI
+    assert capsys.readouterr().out.startswith("run known (")
+    assert main(["history", "unknown"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert err.startswith(f"error: no MLflow run named or with id 'unknown' in {uri}; check the name")
 
 
 def test_a_relative_path_inside_rays_working_dir_copy_is_refused_in_one_line(tmp_path, monkeypatch):
