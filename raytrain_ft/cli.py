@@ -10,6 +10,7 @@ Errors in the input print one `error: ...` line on stderr and exit with status 2
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -162,6 +163,10 @@ def _history(args: argparse.Namespace) -> int:
     from raytrain_ft.tracking import RunLogger, resolve_uri
 
     uri = resolve_uri(args.tracking_uri)
+    if uri.startswith("sqlite:///") and not os.path.exists(uri.removeprefix("sqlite:///")):  # MLflow would create it
+        raise ValueError(
+            f"no MLflow store at {uri}; point --tracking-uri (or MLFLOW_TRACKING_URI) at the store the run logged to"
+        )
     client = MlflowClient(uri)
     experiments = [e.experiment_id for e in client.search_experiments()]
     matches = client.search_runs(experiments, f"attributes.run_id = '{args.run}'") if len(args.run) == 32 else []

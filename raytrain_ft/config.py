@@ -217,6 +217,9 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     Raises:
         ConfigError: unknown key, wrong type, unreadable file or inconsistent values.
     """
+    for o in overrides or []:
+        if "=" not in o:
+            raise ConfigError(f"override '{o}' has no value; write it as {o}=VALUE")
     try:
         sources = [OmegaConf.load(path)] if path is not None else []
         sources.append(OmegaConf.from_dotlist(list(overrides or [])))
@@ -252,7 +255,10 @@ def _describe(e: OmegaConfBaseException) -> str:
     key = getattr(e, "full_key", None) or "?"
     msg = str(e).splitlines()[0]
     if "not in" in msg or "Key" in msg and "not" in msg:
-        close = difflib.get_close_matches(key, valid_keys(), n=1, cutoff=0.5)
+        sections = sorted({k.split(".")[0] + "." for k in valid_keys() if "." in k})  # 'trian.x=1' fails at 'trian'
+        close = difflib.get_close_matches(key if "." in key else key + ".", valid_keys() + sections, n=1, cutoff=0.5)
+        if close and close[0].endswith("."):
+            return f"unknown config section '{key}'; did you mean '{close[0][:-1]}'?"
         hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(valid_keys())}"
         return f"unknown config key '{key}'{hint}"
     if "Missing mandatory value" in msg:

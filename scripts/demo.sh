@@ -23,7 +23,11 @@ for _ in $(seq 1 30); do  # the dashboard answers before its job agent is up: Ra
   echo "(Ray's job agent is still starting: submitting again in 2 s)"
   sleep 2
 done
-[ "$status" -eq 0 ] || exit "$status"
+if [ "$status" -ne 0 ]; then
+  grep -q "No available agent to submit job" "$SUBMIT_LOG" && echo "error: Ray's job agent never started;" \
+    "is another Ray instance running on this machine (its agent holds port 52365)? stop it and run the demo again" >&2
+  exit "$status"
+fi
 echo
 echo "MLflow UI: .venv/bin/mlflow ui --backend-store-uri sqlite:///$PWD/mlflow.db --host 127.0.0.1 --port 5000"
 echo "           then open http://127.0.0.1:5000 (experiment raytrain-ft, run $RUN_NAME)"

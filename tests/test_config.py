@@ -19,6 +19,18 @@ def test_unknown_key_names_the_closest_valid_one():
         load_config(None, ["train.max_step=5"])
 
 
+def test_a_misspelled_section_names_the_closest_section():
+    with pytest.raises(ConfigError, match=r"^unknown config section 'trian'; did you mean 'train'\?$"):
+        load_config(None, ["trian.max_steps=5"])
+
+
+def test_an_override_without_a_value_says_so():
+    with pytest.raises(
+        ConfigError, match=r"^override 'train\.max_steps' has no value; write it as train\.max_steps=VALUE$"
+    ):
+        load_config(None, ["train.max_steps"])
+
+
 def test_wrong_type_names_the_key():
     with pytest.raises(ConfigError, match=r"config key 'train\.max_steps'.*'abc'"):
         load_config(None, ["train.max_steps=abc"])

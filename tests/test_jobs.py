@@ -10,9 +10,12 @@ import sys
 import time
 import urllib.request
 
+import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import COMMITTED, REPO, assert_resumed
+from conftest import COMMITTED, REPO, assert_resumed, make_config
+from raytrain_ft.errors import ConfigError
+from raytrain_ft.launch.trainer import preflight
 
 PRETRAIN = os.path.join(REPO, "jobs", "pretrain.py")
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
@@ -49,6 +52,16 @@ def test_missing_dataset_is_one_line_error(tmp_path, dataset):
     assert r.stderr.strip().splitlines()[-1] == (
         f"error: no prepared dataset at {tmp_path / 'nowhere'} (manifest.json missing); run "
         f"`python jobs/prepare_data.py --output {tmp_path / 'nowhere'}` or set data.path"
+    )
+
+
+def test_a_gpu_run_on_a_cluster_without_gpus_names_use_gpu(tmp_path, dataset, ray_local):
+    cfg = make_config(tmp_path, dataset, "scaling.use_gpu=true")
+    with pytest.raises(ConfigError) as e:
+        preflight(cfg)
+    assert str(e.value) == (
+        "scaling.num_workers=2 needs 2 GPU but the Ray cluster has 0; "
+        "lower scaling.num_workers or set scaling.use_gpu=false, or add GPU nodes"
     )
 
 

@@ -42,6 +42,14 @@ def test_history_of_an_unknown_run_is_one_line_naming_the_store(tmp_path, monkey
     assert err.startswith(f"error: no MLflow run named or with id 'unknown' in {uri}; check the name")
 
 
+def test_history_never_creates_a_store(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main(["history", "demo"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: no MLflow store at sqlite:///{tmp_path}/mlflow.db; point")
+    assert not os.path.exists(tmp_path / "mlflow.db")
+
+
 def test_a_relative_path_inside_rays_working_dir_copy_is_refused_in_one_line(tmp_path, monkeypatch):
     package = tmp_path / "session_1" / "runtime_resources" / "working_dir_files" / "_ray_pkg_abc"
     package.mkdir(parents=True)

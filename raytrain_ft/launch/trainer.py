@@ -89,9 +89,10 @@ def preflight(cfg: Config) -> None:
     have = ray.cluster_resources()
     for res, amount in need.items():
         if amount > have.get(res, 0):
+            fix = "scaling.cpus_per_worker" if res == "CPU" else "set scaling.use_gpu=false"
             raise ConfigError(
                 f"scaling.num_workers={cfg.scaling.num_workers} needs {amount:g} {res} but the Ray cluster has "
-                f"{have.get(res, 0):g}; lower scaling.num_workers / scaling.cpus_per_worker or add nodes"
+                f"{have.get(res, 0):g}; lower scaling.num_workers or {fix}, or add {res} nodes"
             )
     run_root = os.path.join(cfg.run.storage_path, cfg.run.name)
     check_run_state(run_root)
