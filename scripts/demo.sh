@@ -12,19 +12,20 @@ trap 'ray stop >/dev/null 2>&1 || true' EXIT
 for _ in $(seq 1 60); do curl -sf http://127.0.0.1:8265/api/version >/dev/null && break; sleep 1; done
 RUN_NAME="demo-$(date +%Y%m%d-%H%M%S)"  # a new run each time, so the injected failure happens again
 SUBMIT_LOG="$(mktemp)"
-for _ in $(seq 1 30); do  # the dashboard answers before its job agent is up: Ray says "try again later"
+AGENT_DEADLINE=$((SECONDS + 90))
+while true; do  # the dashboard answers before its job agent is up: Ray says "try again later"
   set +e
   ray job submit --address http://127.0.0.1:8265 -- python "$PWD/jobs/pretrain.py" --config "$PWD/configs/demo.yaml" \
     "run.name=$RUN_NAME" "data.path=$PWD/data/stdlib" "run.storage_path=$PWD/runs" "tracking.uri=sqlite:///$PWD/mlflow.db" \
     "$@" 2>&1 | tee "$SUBMIT_LOG"
   status=${PIPESTATUS[0]}
   set -e
-  grep -q "No available agent to submit job" "$SUBMIT_LOG" || break
+  grep -q "No available agent to submit job" "$SUBMIT_LOG" && [ "$SECONDS" -lt "$AGENT_DEADLINE" ] || break
   echo "(Ray's job agent is still starting: submitting again in 2 s)"
   sleep 2
 done
 if [ "$status" -ne 0 ]; then
-  grep -q "No available agent to submit job" "$SUBMIT_LOG" && echo "error: Ray's job agent never started;" \
+  grep -q "No available agent to submit job" "$SUBMIT_LOG" && echo "error: Ray's job agent did not start in 90 s;" \
     "is another Ray instance running on this machine (its agent holds port 52365)? stop it and run the demo again" >&2
   exit "$status"
 fi
