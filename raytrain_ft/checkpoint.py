@@ -260,7 +260,8 @@ class Checkpointer:
         for path in candidates:
             try:
                 self._check_compatible(path, state)
-                loadable = self._loadable(path, state)
+                loadable, saved = self._loadable(path, state)
+                state.allocate(saved)
                 dcp.load(loadable, storage_reader=FsspecReader(path), process_group=self.save_group)
                 return path, set(loadable)
             except CheckpointError:
@@ -276,8 +277,9 @@ class Checkpointer:
             )
         return None, set()
 
-    def _loadable(self, path: str, state: TrainState) -> dict:
-        """The components present in the checkpoint (a new rank after a resize has no RNG entry).
+    def _loadable(self, path: str, state: TrainState) -> tuple[dict, dict]:
+        """The components present in the checkpoint (a new rank after a resize has no RNG entry),
+        and the checkpoint's `state_dict_metadata`.
 
         Raises:
             CheckpointError: the checkpoint holds no model weights (the model is left
@@ -287,7 +289,7 @@ class Checkpointer:
         loadable = {k: c for k, c in state.components.items() if any(s.startswith(k + ".") for s in saved)}
         if KEY_MODEL not in loadable:
             raise CheckpointError(f"checkpoint {path} holds no model weights; delete it or pick a new run.name")
-        return loadable
+        return loadable, saved
 
     def _check_compatible(self, path: str, state: TrainState) -> None:
         current: RunMeta = state.components[KEY_META]

@@ -68,6 +68,39 @@ class OptimizerState(Stateful):
     def load_state_dict(self, state: dict) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, state)
 
+    def allocate(self, saved: dict[str, Any]) -> None:
+        """Create the optimizer's state as uninitialised tensors for a checkpoint load to fill.
+
+        `saved`: the checkpoint's DCP metadata under this component's key (`state.<fqn>.<name>` ->
+        `TensorStorageMetadata`). Without this, `get_optimizer_state_dict` creates the state the
+        only way a generic optimizer allows (`torch.distributed.checkpoint.state_dict._init_optim_state`):
+        a zero gradient per parameter and one optimizer step at lr 0, which the load then
+        overwrites. That step cost 1.05 s of a 1.44 s restore on each of 2 ranks of the demo config
+        (27M params, fused AdamW, 2 cores; cProfile of `dcp.load`), on the recovery's critical path.
+
+        Every parameter gets each per-parameter state the checkpoint holds, with its dtype: a 0-dim
+        entry (AdamW's `step`) as a 0-dim tensor, any other (`exp_avg`, `exp_avg_sq`) shaped and,
+        under FSDP, sharded like the parameter (`empty_like`), as the optimizer itself would.
+        Left to DCP when the optimizer already has state, or when the checkpoint's entries are not
+        the same for every parameter (an optimizer whose state differs between parameters).
+        """
+        if self.optimizer.state:
+            return
+        names: dict[str, dict[str, Any]] = {}
+        for key, meta in saved.items():
+            if key.startswith("state.") and hasattr(meta, "size"):
+                fqn, name = key[len("state.") :].rsplit(".", 1)
+                names.setdefault(fqn, {})[name] = meta
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        kinds = {tuple(sorted((n, m.properties.dtype, len(m.size) == 0) for n, m in e.items())) for e in names.values()}
+        if len(kinds) != 1 or len(names) != len(params):
+            return
+        for p in params:
+            self.optimizer.state[p] = {
+                name: torch.zeros((), dtype=dtype, device=p.device) if scalar else torch.empty_like(p, dtype=dtype)
+                for name, dtype, scalar in next(iter(kinds))
+            }
+
 
 class Pickled(Stateful):
     """Wraps an object with `state_dict`/`load_state_dict`; its state is saved as one bytes leaf."""
@@ -145,6 +178,14 @@ class TrainState:
 
     def add(self, key: str, component: Stateful) -> None:
         self.components[key] = component
+
+    def allocate(self, saved: dict[str, Any]) -> None:
+        """Before a load: let each component whose state a load would otherwise first compute
+        create it empty (`OptimizerState.allocate`). `saved`: the checkpoint's `state_dict_metadata`."""
+        for key, c in self.components.items():
+            if isinstance(c, OptimizerState):
+                prefix = key + "."
+                c.allocate({k[len(prefix) :]: m for k, m in saved.items() if k.startswith(prefix)})
 
     def snapshot(self) -> dict[str, Any]:
         """State dict for `dcp.async_save`: tensors by reference (DCP stages them), the rest as bytes."""

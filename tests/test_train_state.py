@@ -19,7 +19,9 @@ from raytrain_ft.loop import lr_schedule
 from raytrain_ft.train_state import (
     KEY_META,
     KEY_MODEL,
+    KEY_OPTIM,
     ModelState,
+    OptimizerState,
     Pickled,
     Progress,
     RNGState,
@@ -102,3 +104,45 @@ def test_a_checkpoint_without_model_weights_is_refused(tmp_path, process_group):
     with pytest.raises(CheckpointError, match="holds no model weights"):
         Checkpointer(str(tmp_path), lambda step, path: None).restore(state, [path], lambda *a: corrupt.append(a))
     assert corrupt == []
+
+
+def test_restore_creates_adamw_state_from_the_checkpoint_without_an_optimizer_step(
+    tmp_path, process_group, monkeypatch
+):
+    # DCP would create AdamW's state for the load by a zero-gradient step (1 s of a restart on the
+    # demo config); the restore allocates it from the checkpoint's metadata instead, and the loaded
+    # state is every tensor of the saved one, dtype, shape and value
+    def trained(steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        for _ in range(steps):
+            model(torch.randn(4, 8)).square().sum().backward()
+            opt.step(), opt.zero_grad()
+        return model, opt
+
+    def state_of(model, opt) -> TrainState:
+        state = TrainState(rank=0)
+        state.add(KEY_META, RunMeta({}))
+        state.add(KEY_MODEL, ModelState(model))
+        state.add(KEY_OPTIM, OptimizerState(model, opt))
+        return state
+
+    saved_model, saved_opt = trained(3)
+    path = step_path(str(tmp_path), 3)
+    dcp.save(state_of(saved_model, saved_opt).components, storage_writer=FsspecWriter(path))
+    model, opt = trained(0)
+
+    def no_step(*args, **kwargs):
+        raise AssertionError("the restore ran an optimizer step")
+
+    monkeypatch.setattr(opt, "step", no_step)
+    loaded, _ = Checkpointer(str(tmp_path), lambda step, path: None).restore(state_of(model, opt), [path], print)
+    assert loaded == path
+    expected, got = saved_opt.state_dict(), opt.state_dict()
+    assert got["param_groups"] == expected["param_groups"]
+    assert sorted(got["state"]) == sorted(expected["state"]) == [0, 1, 2, 3]
+    for i, entries in expected["state"].items():
+        assert sorted(got["state"][i]) == ["exp_avg", "exp_avg_sq", "step"]
+        for name, t in entries.items():
+            assert got["state"][i][name].dtype == t.dtype and torch.equal(got["state"][i][name], t), (i, name)
