@@ -4,8 +4,9 @@ A hung collective or a stuck data read otherwise blocks forever (the process-gro
 collectives only, and only when the backend honours it). The watchdog is a daemon thread: if no
 `beat()` arrives for `timeout_s` seconds it writes `faulthandler`'s dump of all Python threads to
 stderr (the Ray worker log) and to `<run folder>/hangs/rank<R>-<unix time>.txt`, calls `on_hang`
-with the dump and the seconds since the last step (logged to MLflow), then
-`os._exit(HANG_EXIT_CODE)`, so Ray restarts the worker group from the last checkpoint.
+with the dump and the seconds since the last step (logged to MLflow), waits `HANG_EXIT_GRACE_S`
+(so peers that fired at the same time report too), then `os._exit(HANG_EXIT_CODE)`, so Ray
+restarts the worker group from the last checkpoint.
 
 The watchdog is a step hook (`raytrain_ft.hooks`): `after_step` beats.
 
@@ -30,6 +31,12 @@ import fsspec
 from raytrain_ft.hooks import StepHook
 
 HANG_EXIT_CODE = 75
+# A hung rank's peers block in their next collective one beat later at most, so their watchdogs fire
+# within about a second of each other. The first rank to exit makes Ray tear the whole group down,
+# which killed the rank that actually hung while it was still reporting its stacks (a fresh-clone CI
+# run of test_a_hung_rank_...: only rank 0, blocked in an all-reduce, was recorded). Every rank waits
+# this long after its own report before exiting, so each rank that fired gets its report in.
+HANG_EXIT_GRACE_S = 10.0
 MIN_AUTO_TIMEOUT_S = 300.0
 
 
@@ -88,5 +95,6 @@ class StepWatchdog(StepHook):
                 out.write(dump)
             if self.on_hang:
                 self.on_hang(dump, stalled_s)
+            time.sleep(HANG_EXIT_GRACE_S)
         finally:
             os._exit(HANG_EXIT_CODE)
