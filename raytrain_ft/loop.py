@@ -2,11 +2,11 @@
 
 Read top to bottom: `train` starts the data pipeline at the committed checkpoint's data position,
 builds the model, optimizer, schedule and the checkpointed state, restores, then runs
-`Trainer.step` once per optimizer step: the step's micro-batches -> forward/backward over
-`grad_accum_steps` of them -> clip (global grad norm) -> spike guard (all ranks agree) -> wait for
-the checkpoint snapshot -> optimizer step or skip -> LR scheduler -> advance the data position ->
-rank check and replica fingerprint at their intervals -> roll back after persistent spikes, else
-commit/save.
+`Trainer.step` once per optimizer step: this rank's share of the global batch, at any world size
+(`data.position.BatchPlan`) -> forward/backward over its `grad_accum_steps` passes -> clip
+(global grad norm) -> spike guard (all ranks agree) -> wait for the checkpoint snapshot ->
+optimizer step or skip -> LR scheduler -> advance the data position -> rank check and replica
+fingerprint at their intervals -> roll back after persistent spikes, else commit/save.
 
 The per-step side work runs in step hooks (`raytrain_ft.hooks`), in this order: fault injection
 (`faults`), rank 0's goodput ledger (`goodput.StepAccount`: every second of wall time in one
@@ -38,7 +38,7 @@ from raytrain_ft.guards import RankChecks, ReplicaMismatchError, RollbackLog, Sp
 from raytrain_ft.hooks import StepHook, StepHooks, StepResult
 from raytrain_ft.interval import CheckpointSchedule, planning_mtbf_s
 from raytrain_ft.model import lm_loss
-from raytrain_ft.parallel import build
+from raytrain_ft.parallel import Parallel, build
 from raytrain_ft.recovery import failures
 from raytrain_ft.session import Session
 from raytrain_ft.step_metrics import StepMetrics
@@ -115,13 +115,16 @@ def check_data_fits(cfg: Config, manifest: Manifest) -> None:
     steps_per_epoch(manifest, cfg.train.global_batch_size, cfg.train.micro_batch_size)
 
 
-def step_batches(session: Session, position: DataPosition, plan: BatchPlan, steps_per_epoch: int) -> Iterator[list]:
-    """Endless iterator over steps; each item is this rank's `grad_accum_steps` micro-batches."""
+def step_batches(
+    session: Session, position: DataPosition, plan: BatchPlan, rank: int, steps_per_epoch: int
+) -> Iterator[list]:
+    """Endless iterator over steps; each item is this rank's `grad_accum_steps` passes (`BatchPlan.passes`)."""
     epoch, start = position.epoch, position.consumed // plan.global_batch_size
+    lanes = len(plan.lanes(rank))
     while True:
         micro = session.micro_batches(epoch, start, steps_per_epoch, plan)
         for _ in range(steps_per_epoch - start):
-            yield [next(micro) for _ in range(plan.grad_accum_steps)]
+            yield plan.passes(rank, [next(micro) for _ in range(lanes)])
         epoch, start = epoch + 1, 0
 
 
@@ -137,6 +140,23 @@ def started(batches: Iterator[list]) -> Iterator[list]:
         yield from batches
 
     return chained()
+
+
+def forward_backward(par: Parallel, plan: BatchPlan, passes: list[dict], loss_factor: float, device) -> float:
+    """Accumulate gradients over this rank's passes (`BatchPlan.passes`), each weighted by
+    `BatchPlan.pass_weight`: the gradient of the mean loss over the global batch's G sequences,
+    whatever the world size and split. Returns this rank's weighted loss (the ranks' sum over W is
+    the global mean loss). A pass without sequences (a rank whose share is shorter than the passes)
+    runs the rank's first sequence at weight 0, so every rank runs the same collectives."""
+    loss = torch.zeros((), device=device)
+    for i, mb in enumerate(passes):
+        n = len(mb["tokens"])
+        tokens = (mb["tokens"] if n else passes[0]["tokens"][:1]).to(device, non_blocking=True)
+        with par.micro_batch(last=i == len(passes) - 1):
+            micro_loss = lm_loss(par.module, tokens) * (loss_factor * plan.pass_weight(n))
+        micro_loss.backward()
+        loss += micro_loss.detach()
+    return loss.item()
 
 
 def train(cfg: Config, session: Session) -> None:
@@ -175,7 +195,7 @@ class Trainer:
         self.steps_per_epoch = steps_per_epoch(self.manifest, self.plan.global_batch_size, self.plan.micro_batch_size)
         latest, early = session.latest_checkpoint(), DataPosition()
         peek(latest, {KEY_DATA: Pickled(early)})  # read alone from the checkpoint: the data starts flowing now
-        self.batches = started(step_batches(session, early, self.plan, self.steps_per_epoch))
+        self.batches = started(step_batches(session, early, self.plan, self.rank, self.steps_per_epoch))
 
         shape = self.manifest.vocab_size, self.manifest.seq_len
         self.par, self.optimizer = build(cfg, *shape, self.device, resuming=latest is not None)
@@ -202,7 +222,7 @@ class Trainer:
         self.checkpointer = Checkpointer(session.run_root, self._commit)
         self.group = self.checkpointer.control_group  # CPU gloo group for guard collectives
         self.checks = RankChecks(cfg.guards, self.par, self.group, self.logger, self.settle)
-        self.audit = DataAudit(session.run_root, self.group, cfg.data.audit)
+        self.audit = DataAudit(session.run_root, self.group, cfg.data.audit, self.plan.max_share)
         self.faults = FaultInjector(
             cfg.faults, self.rank, session.run_root, self.settle, lambda: self.par.local_parameters()[0]
         )
@@ -217,7 +237,7 @@ class Trainer:
             seed_rngs(cfg.train.seed + self.progress.step, self.rank)
         self.watchdog.beat(step_done=False)  # restoring a large checkpoint is neither a hang nor a step
         if self.position != early:  # the committed checkpoint did not load: an older one did
-            self.batches = step_batches(session, self.position, self.plan, self.steps_per_epoch)
+            self.batches = step_batches(session, self.position, self.plan, self.rank, self.steps_per_epoch)
         self.save_due = self.preemption_saved = False
         self.done = self.progress.step >= cfg.train.max_steps  # a finished run submitted again
         failure_times = self.start_attempt(init_started_at, resumed_from, KEY_GOODPUT in loaded) if self.logger else []
@@ -237,18 +257,27 @@ class Trainer:
         account: list[StepHook] = [StepAccount(self.ledger)] if self.logger else []
         self.hooks = StepHooks([self.faults, *account, metrics, self.audit, self.watchdog])
         log.info(
-            "rank %d: start at step %d (world size %d, grad_accum_steps %d)",
+            "rank %d: start at step %d (world size %d, %d sequences per step in %d passes, batch_balance %.3f)",
             self.rank,
             self.progress.step,
             self.world_size,
+            self.plan.span(self.rank)[1] - self.plan.span(self.rank)[0],
             self.plan.grad_accum_steps,
+            self.plan.batch_balance,
         )
 
     def start_attempt(self, init_started_at: float, resumed_from: int | None, ledger_loaded: bool) -> list[float]:
         """Rank 0, after the restore: log the attempt, classify the time since the checkpoint's
         snapshot (goodput), and return the run's failure times (unix seconds) so far."""
         self.logger.tags(self.par.tags())
-        self.logger.metrics(self.progress.step, {"resumed_from_step": resumed_from or 0, "world_size": self.world_size})
+        self.logger.metrics(
+            self.progress.step,
+            {
+                "resumed_from_step": resumed_from or 0,
+                "world_size": self.world_size,
+                "batch_balance": self.plan.batch_balance,
+            },
+        )
         self.logger.event(
             "attempt_start", resumed_from=resumed_from or 0, world_size=self.world_size, init_started_at=init_started_at
         )
@@ -304,9 +333,9 @@ class Trainer:
         """One optimizer step on every rank (collectives: all ranks call it together)."""
         step = self.progress.step + 1
         self.hooks.before_step(step)
-        micro_batches = next(self.batches)
-        self.hooks.after_batch(step, micro_batches)
-        local_loss = self.forward_backward(micro_batches, self.faults.loss_factor(step))
+        passes = next(self.batches)
+        self.hooks.after_batch(step, passes)
+        local_loss = forward_backward(self.par, self.plan, passes, self.faults.loss_factor(step), self.device)
         grad_norm = self.par.clip_grad_norm_(self.cfg.train.grad_clip)
         skip, median = self.guard.decide(grad_norm)
         totals = torch.tensor([local_loss, float(skip)], dtype=torch.float64)
@@ -331,17 +360,6 @@ class Trainer:
             self.checkpointer.poll()
             self.maybe_save(step)
         self.hooks.after_step(step)
-
-    def forward_backward(self, micro_batches: list[dict], loss_factor: float) -> float:
-        """Accumulate gradients over the micro-batches; return this rank's mean loss (float)."""
-        loss = torch.zeros((), device=self.device)
-        for i, mb in enumerate(micro_batches):
-            tokens = mb["tokens"].to(self.device, non_blocking=True)
-            with self.par.micro_batch(last=i == len(micro_batches) - 1):
-                micro_loss = lm_loss(self.par.module, tokens) * loss_factor / self.plan.grad_accum_steps
-            micro_loss.backward()
-            loss += micro_loss.detach()
-        return loss.item()
 
     def maybe_save(self, step: int) -> None:
         """Periodic, final and just-in-time (preemption) saves; none while a skip streak is on."""
@@ -409,7 +427,7 @@ class Trainer:
         }
         self.rollbacks.rollbacks.append(record)
         self.schedule.saved(self.progress.step)
-        self.batches = step_batches(self.session, self.position, self.plan, self.steps_per_epoch)
+        self.batches = step_batches(self.session, self.position, self.plan, self.rank, self.steps_per_epoch)
         log.warning(
             "rank %d: rolled back from step %d to %d, skipping %d global batches",
             self.rank,

@@ -18,6 +18,9 @@ Strategies (`parallel.strategy`):
   `(world_size / shard_size, shard_size)`, ranks row-major (a shard group is `shard_size`
   consecutive ranks: one node's GPUs). Parameters are sharded within a group and replicated across
   groups; gradients are reduce-scattered within the group and all-reduced across replicas.
+* every strategy averages gradients over all `world_size` ranks (DDP's all-reduce, FSDP2's
+  reduce-scatter, HSDP's both): the loop weighs each pass so that the average is the gradient of
+  the mean loss over the global batch at any split (`raytrain_ft.data.position.BatchPlan`).
 * `auto` (default): `fsdp` when `scaling.use_gpu`, `ddp` on CPU (CPU runs are tests and demos,
   where a full replica per rank is small and DDP is the faster path; see `benchmarks/sharding.py`).
 

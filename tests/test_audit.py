@@ -8,9 +8,9 @@ from raytrain_ft.data.audit import AUDIT_DIR, DataAudit, read_audit
 
 
 def test_a_write_cut_by_a_kill_is_ignored_and_the_committed_steps_are_read(tmp_path, process_group):
-    audit = DataAudit(str(tmp_path), dist.group.WORLD, enabled=True)
+    audit = DataAudit(str(tmp_path), dist.group.WORLD, enabled=True, width=3)
     audit.record(1, torch.tensor([7, 3]))
-    audit.record(2, torch.tensor([5, 1]))
+    audit.record(2, torch.tensor([5, 1]))  # a share shorter than `width`: padded, not written
     audit.flush()
     # what a kill mid-write leaves (the elastic test once met a 0-byte file): the next commit's
     # file cut short under its temporary name, steps 3-4 that never committed

@@ -24,20 +24,24 @@ import torch.distributed as dist
 from raytrain_ft.hooks import StepHook
 
 AUDIT_DIR = "audit"
+PAD = -1  # no sample (sample ids are >= 0)
 
 
 class DataAudit(StepHook):
     """One rank's side of the audit; a no-op object when disabled."""
 
-    def __init__(self, run_root: str, group: dist.ProcessGroup, enabled: bool):
-        self.run_root, self.group, self.enabled = run_root.rstrip("/"), group, enabled
-        self.rows: list[tuple[int, np.ndarray]] = []  # (step, ids of shape (world_size, n))
+    def __init__(self, run_root: str, group: dist.ProcessGroup, enabled: bool, width: int):
+        """`width`: the most sample ids a rank trains per step (`BatchPlan.max_share`)."""
+        self.run_root, self.group, self.enabled, self.width = run_root.rstrip("/"), group, enabled, width
+        self.rows: list[tuple[int, np.ndarray]] = []  # (step, ids of shape (world_size, width), PAD where shorter)
 
     def record(self, step: int, sample_ids: torch.Tensor) -> None:
-        """Gather this step's ids from every rank (collective; `sample_ids` int64, same length on all ranks)."""
+        """Gather this step's ids from every rank (collective; `sample_ids` int64, at most `width` of them:
+        shorter shares of an uneven split are padded to `width` for the fixed-size all_gather)."""
         if not self.enabled:
             return
-        ids = sample_ids.to("cpu", torch.int64)
+        ids = torch.full((self.width,), PAD, dtype=torch.int64)
+        ids[: len(sample_ids)] = sample_ids.to("cpu", torch.int64)
         gathered = [torch.empty_like(ids) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(gathered, ids, group=self.group)
         if dist.get_rank() == 0:
@@ -58,9 +62,10 @@ class DataAudit(StepHook):
         steps, ranks, ids = [], [], []
         for step, per_rank in self.rows:
             w, n = per_rank.shape
-            steps.append(np.full(w * n, step, np.int64))
-            ranks.append(np.repeat(np.arange(w, dtype=np.int64), n))
-            ids.append(per_rank.reshape(-1))
+            kept = per_rank.reshape(-1) != PAD
+            steps.append(np.full(w * n, step, np.int64)[kept])
+            ranks.append(np.repeat(np.arange(w, dtype=np.int64), n)[kept])
+            ids.append(per_rank.reshape(-1)[kept])
         table = pa.table(
             {"step": np.concatenate(steps), "rank": np.concatenate(ranks), "sample_id": np.concatenate(ids)}
         )

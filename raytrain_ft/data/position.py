@@ -1,12 +1,30 @@
-"""The data position and the rule that splits each global batch across ranks.
+"""The data position and the rule that splits each global batch across ranks, at any world size.
 
 The position is `(epoch, consumed)`: global samples consumed in the current epoch. It never
 mentions ranks, so a checkpoint resumes at any world size. Step `s` of an epoch consumes the
-global batch `s` of that epoch's order (`G = global_batch_size`): one micro-batch from each of the
-`G / micro_batch_size` lanes of `raytrain_ft.data.order`. Lane (micro-batch slot) `j` goes to rank
-`j % world_size` as its accumulation step `j // world_size`. Each rank therefore sees
-`grad_accum_steps` micro-batches per step, and the union over ranks is exactly the global batch,
-whatever the world size.
+global batch `s` of that epoch's order (`G = global_batch_size` sequences): one micro-batch of
+`micro_batch_size` (m) rows from each of the `L = G / m` lanes of `raytrain_ft.data.order`, which
+lists the step's G sequences in lane order.
+
+The split (`BatchPlan`), for any world size W <= G: rank r trains the contiguous sequences
+`[r*G // W, (r+1)*G // W)` of that list, i.e. floor(G/W) or ceil(G/W) of them, in
+`grad_accum_steps = ceil(ceil(G/W) / m)` forward/backward passes of at most m sequences. Every
+rank runs the same number of passes, so the collectives of DDP (one all-reduce on the last
+pass), FSDP2 and HSDP (all-gathers and reduce-scatters on every pass) stay matched; a rank's
+share is dealt over its passes as evenly as possible (sizes differ by at most one), and a rank
+whose share is shorter than the passes (only possible at m = 1) runs a zero-weight pass.
+
+Granularity: sequences, not micro-batches. A micro-batch-granular split (whole lanes per rank)
+at G=8, m=2, W=3 deals the 4 lanes 2/1/1: the ranks train 4/2/2 sequences and two of them idle
+half the step (balance 8 / (3 x 4) = 0.67); the sequence split trains 2/3/3 (0.89). For G=1024,
+m=4, W=63: 0.81 vs 0.956. The cost is read amplification: a lane that straddles two ranks' spans
+is read by both, at most W - 1 of the L lanes per step. `batch_balance = G / (W x ceil(G/W))`
+(1.0 when W divides G) is the best any sequence-level split reaches, and this one reaches it.
+
+The gradient is that of the mean loss over the G sequences whatever the split: the loop weighs a
+pass of n sequences by `n x W / G` (`BatchPlan.pass_weight`), and every strategy averages
+gradients over the W ranks (`raytrain_ft.parallel`), so the sum over ranks and passes is
+`sum(per-sequence loss) / G`.
 
 Epoch end: an epoch has `steps_per_epoch` full steps (`raytrain_ft.data.order`); the samples the
 lanes hold beyond them are not trained in that epoch (a different set every epoch, since the order
@@ -18,15 +36,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from raytrain_ft.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """How `global_batch_size` splits into micro-batches at one world size.
+    """How `global_batch_size` sequences split over `world_size` ranks (module doc).
 
     Raises:
-        ConfigError: `global_batch_size` is not a multiple of `micro_batch_size x world_size`.
+        ConfigError: `global_batch_size` is not a multiple of `micro_batch_size` (the data order's
+            lanes), or is smaller than `world_size` (a rank would train nothing).
     """
 
     global_batch_size: int
@@ -34,21 +55,66 @@ class BatchPlan:
     world_size: int
 
     def __post_init__(self):
-        per_step = self.micro_batch_size * self.world_size
-        if self.global_batch_size % per_step:
+        g, m, w = self.global_batch_size, self.micro_batch_size, self.world_size
+        if m < 1 or g % m:
             raise ConfigError(
-                f"train.global_batch_size={self.global_batch_size} is not a multiple of "
-                f"micro_batch_size x world_size = {self.micro_batch_size} x {self.world_size}; "
-                f"choose a global_batch_size divisible by {per_step}"
+                f"train.global_batch_size={g} is not a multiple of train.micro_batch_size={m}; "
+                f"choose a global_batch_size divisible by {m}"
+            )
+        if g < w:
+            raise ConfigError(
+                f"train.global_batch_size={g} is smaller than the world size {w}: every rank needs at least one "
+                f"sequence per step; raise global_batch_size to at least {w} or lower scaling.num_workers"
             )
 
     @property
+    def max_share(self) -> int:
+        """Sequences of the largest rank share: ceil(G / W)."""
+        return -(-self.global_batch_size // self.world_size)
+
+    @property
     def grad_accum_steps(self) -> int:
-        return self.global_batch_size // (self.micro_batch_size * self.world_size)
+        """Forward/backward passes per step, the same on every rank: ceil(ceil(G / W) / m)."""
+        return -(-self.max_share // self.micro_batch_size)
+
+    @property
+    def batch_balance(self) -> float:
+        """G / (W x largest share): 1.0 when W divides G; the sequence-level bound otherwise."""
+        return self.global_batch_size / (self.world_size * self.max_share)
+
+    def span(self, rank: int) -> tuple[int, int]:
+        """`[lo, hi)`: the sequences (positions in the step's lane order) `rank` trains."""
+        g, w = self.global_batch_size, self.world_size
+        return rank * g // w, (rank + 1) * g // w
 
     def lanes(self, rank: int) -> list[int]:
-        """The lanes (micro-batch slots, `raytrain_ft.data.order`) `rank` trains, in accumulation order."""
-        return list(range(rank, self.global_batch_size // self.micro_batch_size, self.world_size))
+        """The lanes (micro-batch slots, `raytrain_ft.data.order`) holding `rank`'s span, in order."""
+        lo, hi = self.span(rank)
+        m = self.micro_batch_size
+        return list(range(lo // m, (hi - 1) // m + 1))
+
+    def pass_weight(self, sequences: int) -> float:
+        """Loss weight of a pass of `sequences` sequences: `sequences x W / G` (module doc)."""
+        return sequences * self.world_size / self.global_batch_size
+
+    def passes(self, rank: int, lane_batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        """Cut one step of `rank`'s lane micro-batches into its `grad_accum_steps` passes.
+
+        Args:
+            lane_batches: one micro-batch per lane of `self.lanes(rank)`, in order; each
+                `tokens` int64 (m, seq_len + 1), `sample_id` int64 (m,).
+        Returns:
+            `grad_accum_steps` dicts with the same keys and n rows each, n = the pass's share of
+            the span (differing by at most one between passes; 0 for a zero-weight pass).
+        """
+        lo, hi = self.span(rank)
+        offset = self.lanes(rank)[0] * self.micro_batch_size
+        out: list[dict[str, torch.Tensor]] = [{} for _ in range(self.grad_accum_steps)]
+        for key in lane_batches[0]:
+            span = torch.cat([mb[key] for mb in lane_batches])[lo - offset : hi - offset]
+            for i, part in enumerate(torch.tensor_split(span, self.grad_accum_steps)):
+                out[i][key] = part
+        return out
 
 
 def check_world_sizes(global_batch_size: int, micro_batch_size: int, world_sizes: range) -> None:
