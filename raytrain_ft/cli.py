@@ -3,6 +3,7 @@
     raytrain-ft plan-interval --mtbf-hours 10000 --gpus 1000 --checkpoint-seconds 300
     raytrain-ft plan-memory --config configs/gpu-7b.yaml [--strategy ddp --micro-batch-size 2 ...]
     raytrain-ft history RUN_NAME_OR_ID [--tracking-uri sqlite:///mlflow.db]   (or MLFLOW_TRACKING_URI)
+    raytrain-ft check --config configs/gpu-7b.yaml [key=value ...] [--address RAY_ADDRESS]
 
 Errors in the input print one `error: ...` line on stderr and exit with status 2.
 """
@@ -226,12 +227,65 @@ def _add_history(subparsers) -> None:
     p.set_defaults(func=_history)
 
 
+def _check(args: argparse.Namespace) -> int:
+    """Everything knowable before a worker starts (`raytrain_ft.preflight`): one line per problem."""
+    from raytrain_ft.config import load_config
+    from raytrain_ft.data.position import BatchPlan
+    from raytrain_ft.errors import UserError
+    from raytrain_ft.preflight import problems
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cluster = None
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if address:  # connect to a running cluster (never start one) for its resources
+        import ray
+
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        cluster = ray.cluster_resources()
+        ray.shutdown()
+    found = problems(cfg, cluster)
+    for e in found:
+        print(f"error: {e}", file=sys.stderr)
+    if found:
+        return 2
+    lo, hi = cfg.worker_range
+    g, m = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    balance = min(BatchPlan(g, m, w).batch_balance for w in range(lo, hi + 1))
+    resources = "checked" if cluster is not None else "not checked (no --address / RAY_ADDRESS)"
+    print(
+        f"ok: {args.config}: world sizes {lo}-{hi} (lowest batch_balance {balance:.3f}), data, storage and "
+        f"tracking checked; cluster resources {resources}"
+    )
+    return 0
+
+
+def _add_check(subparsers) -> None:
+    p = subparsers.add_parser(
+        "check",
+        help="check a run config before submitting it (the driver's preflight, without Ray)",
+        description="Run every check the driver's preflight runs, without starting Ray or building a model: "
+        "config keys and types, the batch split at every world size of scaling.num_workers, the memory plan "
+        "on scaling.gpu_type, the dataset manifest against train.seq_len and the model, that run.storage_path "
+        "is writable, that the tracking store answers, the run folder's checkpoints against the config, and "
+        "the cluster's resources when connected to Ray. Prints one line per problem; exit status 2 if any.",
+    )
+    p.add_argument("--config", required=True, help="run config (YAML), e.g. configs/gpu-7b.yaml")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for jobs/pretrain.py")
+    p.add_argument("--address", default=None, help="a running Ray cluster to check resources against (RAY_ADDRESS)")
+    p.set_defaults(func=_check)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raytrain-ft", description="Fault-tolerant LLM pretraining on Ray Train.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_plan_interval(subparsers)
     _add_plan_memory(subparsers)
     _add_history(subparsers)
+    _add_check(subparsers)
     return parser
 
 

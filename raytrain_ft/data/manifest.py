@@ -58,7 +58,7 @@ def load_manifest(path: str) -> Manifest:
     """Read the manifest of the dataset at `path` (folder or URL).
 
     Raises:
-        DataError: no dataset there, or the manifest is unreadable.
+        DataError: no dataset there, the manifest is unreadable, or the path is unreachable.
     """
     url = manifest_url(path)
     try:
@@ -71,3 +71,6 @@ def load_manifest(path: str) -> Manifest:
         ) from None
     except (ValueError, TypeError, KeyError) as e:
         raise DataError(f"dataset manifest {url} is unreadable ({e}); prepare the dataset again") from None
+    except Exception as e:  # fsspec backends raise their own types (no credentials, no such bucket)
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"cannot read {url} ({reason}); check data.path and its credentials") from None

@@ -8,28 +8,19 @@ import signal
 import threading
 import time
 
-import fsspec
 import ray
-import torch
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from raytrain_ft.checkpoint import list_step_dirs, step_path
 from raytrain_ft.config import Config, to_dict
-from raytrain_ft.data.manifest import load_manifest
-from raytrain_ft.data.position import check_world_sizes
-from raytrain_ft.errors import CheckpointError, ConfigError, UserError, find_user_error, raise_if_ended
+from raytrain_ft.errors import UserError, find_user_error, raise_if_ended
 from raytrain_ft.launch.callbacks import RunRecorder, describe
 from raytrain_ft.launch.tracking_actor import close, start_tracking_actor
 from raytrain_ft.launch.tracking_server import history_uri, lasting_path, tracking_store
 from raytrain_ft.launch.worker import train_func
-from raytrain_ft.loop import check_data_fits, fingerprint
-from raytrain_ft.memory import check_fits
-from raytrain_ft.model import build_model, model_config
-from raytrain_ft.parallel import mesh_shape, resolve_strategy
+from raytrain_ft.preflight import problems
 from raytrain_ft.recovery import failures, root_first
 from raytrain_ft.tracking import RunLogger, flatten, resolve_uri, start_or_resume_run
-from raytrain_ft.train_state import RunMeta
 
 log = logging.getLogger(__name__)
 
@@ -74,82 +65,11 @@ class _OnSigterm:
 
 
 def preflight(cfg: Config) -> None:
-    """Catch user errors before any worker starts (each raises a one-line `UserError`)."""
-    manifest = load_manifest(cfg.data.path)
-    model_config(cfg.model.preset, manifest.vocab_size, manifest.seq_len, cfg.model.dropout)  # a valid preset
-    check_data_fits(cfg, manifest)
-    lo, hi = cfg.worker_range
-    check_world_sizes(cfg.train.global_batch_size, cfg.train.micro_batch_size, range(lo, hi + 1))
-    strategy = resolve_strategy(cfg.parallel, cfg.scaling.use_gpu)
-    for world_size in range(lo, hi + 1):
-        mesh_shape(strategy, world_size, cfg.parallel.shard_size or min(cfg.scaling.gpus_per_node, world_size))
-    if cfg.scaling.use_gpu:
-        check_fits(cfg, manifest.vocab_size, manifest.seq_len)
-    need = {"CPU": lo * cfg.scaling.cpus_per_worker, "GPU": lo if cfg.scaling.use_gpu else 0}
-    have = ray.cluster_resources()
-    for res, amount in need.items():
-        if amount > have.get(res, 0):
-            fix = "scaling.cpus_per_worker" if res == "CPU" else "set scaling.use_gpu=false"
-            raise ConfigError(
-                f"scaling.num_workers={cfg.scaling.num_workers} needs {amount:g} {res} but the Ray cluster has "
-                f"{have.get(res, 0):g}; lower scaling.num_workers or {fix}, or add {res} nodes"
-            )
-    run_root = os.path.join(cfg.run.storage_path, cfg.run.name)
-    check_run_state(run_root)
-    check_checkpoint_compatible(cfg, manifest, run_root)
-
-
-RAY_RUN_STATE = "checkpoint_manager_snapshot.json"  # Ray Train's record of the committed checkpoints
-
-
-def check_run_state(run_root: str) -> None:
-    """Refuse to start when complete checkpoints exist but Ray Train's record of them is gone.
-
-    Ray's run state (`checkpoint_manager_snapshot.json` in the run folder) is what says which
-    checkpoint is committed; without it the workers would see a fresh start and delete every
-    `step-*` folder as uncommitted. Raising instead loses nothing.
-
-    Raises:
-        CheckpointError: with the steps found and how to resume or start over.
-    """
-    complete = sorted(s for s, done in list_step_dirs(run_root).items() if done)
-    fs, base = fsspec.core.url_to_fs(run_root)
-    if complete and not fs.exists(f"{base.rstrip('/')}/{RAY_RUN_STATE}"):
-        raise CheckpointError(
-            f"{run_root} holds complete checkpoints (steps {', '.join(map(str, complete))}) but no {RAY_RUN_STATE}, "
-            "Ray Train's record of which one is committed; restore that file to resume, or move the step-* "
-            "folders away (or choose a new run.name) to start over"
-        )
-
-
-def check_checkpoint_compatible(cfg: Config, manifest, run_root: str) -> None:
-    """Compare the newest complete checkpoint's fingerprint with this config (no workers needed)."""
-    complete = [s for s, done in list_step_dirs(run_root).items() if done]
-    if not complete:
-        return
-    import torch.distributed.checkpoint as dcp
-
-    from raytrain_ft.checkpoint import FsspecReader
-    from raytrain_ft.train_state import KEY_META
-
-    with torch.device("meta"):
-        num_params = sum(
-            p.numel() for p in build_model(cfg.model.preset, manifest.vocab_size, manifest.seq_len, 0.0).parameters()
-        )
-    path = step_path(run_root, max(complete))
-    saved = RunMeta(fingerprint={})
-    dcp.load({KEY_META: saved}, storage_reader=FsspecReader(path), no_dist=True)
-    current = fingerprint(cfg, manifest, num_params)
-    diff = [
-        f"{k}: checkpoint {saved.fingerprint.get(k)} vs config {v}"
-        for k, v in current.items()
-        if saved.fingerprint.get(k) != v
-    ]
-    if diff:
-        raise CheckpointError(
-            f"checkpoint {path} belongs to a different model or dataset ({', '.join(diff)}); "
-            "use the original settings or a new run.name"
-        )
+    """Catch user errors before any worker starts (`raytrain_ft.preflight.problems`, the function
+    `raytrain-ft check` runs): raises the first problem found, a one-line `UserError`."""
+    found = problems(cfg, ray.cluster_resources())
+    if found:
+        raise found[0]
 
 
 MAX_LINE = 300

@@ -1,0 +1,195 @@
+"""Everything about a run that can be known before a worker starts: `problems(cfg)`.
+
+One function serves the driver (`raytrain_ft.launch.trainer.preflight` raises the first problem
+before `TorchTrainer.fit`) and `raytrain-ft check --config FILE` (prints every problem, one line
+each). It never builds a model's weights and never starts Ray: the config's keys and types are
+checked by `raytrain_ft.config.load_config` before it is called; here come
+
+- the batch split at every world size of `scaling.num_workers` (`BatchPlan`) and the HSDP mesh;
+- the dataset's manifest (when `data.path` is reachable) against `train.seq_len`, the batch and
+  the model preset;
+- the memory plan on the configured `scaling.gpu_type` (GPU runs);
+- that `run.storage_path` is reachable and writable (a probe file is written and removed);
+- that the tracking store answers (`GET /health` of an `http(s)://` server; a SQLite file's folder
+  exists and is writable);
+- the resources of the Ray cluster, when the caller is connected to one (`cluster`);
+- the run folder: Ray's record of its committed checkpoints, and the newest checkpoint's
+  fingerprint against this config (a resubmission that changed the model, data or schedule).
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.request
+from collections.abc import Callable
+
+import fsspec
+
+from raytrain_ft.checkpoint import FsspecReader, list_step_dirs, step_path
+from raytrain_ft.config import Config
+from raytrain_ft.data.manifest import Manifest, load_manifest
+from raytrain_ft.data.position import check_world_sizes
+from raytrain_ft.errors import CheckpointError, ConfigError, UserError
+from raytrain_ft.loop import check_data_fits, fingerprint
+from raytrain_ft.memory import check_fits
+from raytrain_ft.model import model_config
+from raytrain_ft.parallel import mesh_shape, resolve_strategy
+from raytrain_ft.tracking import resolve_uri
+from raytrain_ft.train_state import KEY_META, RunMeta
+
+RAY_RUN_STATE = "checkpoint_manager_snapshot.json"  # Ray Train's record of the committed checkpoints
+PROBE_TIMEOUT_S = 5.0
+
+
+def problems(cfg: Config, cluster: dict[str, float] | None = None) -> list[UserError]:
+    """Every problem found, in the order the checks run (empty: the run can start).
+
+    Args:
+        cluster: the Ray cluster's total resources (`ray.cluster_resources()`), or None when not
+            connected to one (that check is skipped).
+    """
+    found: list[UserError] = []
+
+    def check(fn: Callable[[], object]) -> bool:
+        try:
+            fn()
+            return True
+        except UserError as e:
+            found.append(e)
+            return False
+
+    lo, hi = cfg.worker_range
+    check(lambda: check_world_sizes(cfg.train.global_batch_size, cfg.train.micro_batch_size, range(lo, hi + 1)))
+    check(lambda: check_meshes(cfg))
+    manifest: list[Manifest] = []
+    if check(lambda: manifest.append(load_manifest(cfg.data.path))):
+        m = manifest[0]
+        check(lambda: model_config(cfg.model.preset, m.vocab_size, m.seq_len, cfg.model.dropout))
+        check(lambda: check_data_fits(cfg, m))
+        if cfg.scaling.use_gpu:
+            check(lambda: check_fits(cfg, m.vocab_size, m.seq_len))
+    check(lambda: check_tracking(resolve_uri(cfg.tracking.uri)))
+    if cluster is not None:
+        check(lambda: check_resources(cfg, cluster))
+    run_root = f"{cfg.run.storage_path.rstrip('/')}/{cfg.run.name}"
+    storage_ok = check(lambda: check_writable(cfg.run.storage_path))
+    if storage_ok and check(lambda: check_run_state(run_root)) and manifest:
+        check(lambda: check_checkpoint_compatible(cfg, manifest[0], run_root))
+    return found
+
+
+def check_meshes(cfg: Config) -> None:
+    """Raises ConfigError: hsdp's `shard_size` does not divide some world size of the range."""
+    lo, hi = cfg.worker_range
+    strategy = resolve_strategy(cfg.parallel, cfg.scaling.use_gpu)
+    for world_size in range(lo, hi + 1):
+        mesh_shape(strategy, world_size, cfg.parallel.shard_size or min(cfg.scaling.gpus_per_node, world_size))
+
+
+def check_writable(storage_path: str) -> None:
+    """Create `storage_path` if needed and write and remove a probe file there.
+
+    Raises:
+        ConfigError: unreachable or not writable (missing credentials, no fsspec backend, permissions).
+    """
+    probe = f"{storage_path.rstrip('/')}/.raytrain-ft-check-{os.getpid()}"
+    try:
+        fs, base = fsspec.core.url_to_fs(storage_path)
+        fs.makedirs(base, exist_ok=True)
+        with fsspec.open(probe, "wb") as f:
+            f.write(b"ok")
+        fs.rm(fsspec.core.url_to_fs(probe)[1])
+    except ImportError as e:
+        raise ConfigError(f"run.storage_path={storage_path} needs a file system package: {e}") from None
+    except Exception as e:  # fsspec backends raise their own types (botocore, gcsfs, OSError)
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(
+            f"run.storage_path={storage_path} is not writable ({reason}); fix the path, its permissions or credentials"
+        ) from None
+
+
+def check_tracking(uri: str) -> None:
+    """Raises ConfigError: an `http(s)://` tracking server that does not answer `GET /health`, or a
+    SQLite store whose folder is missing or not writable. Other URIs (databricks, ...) pass."""
+    if uri.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=PROBE_TIMEOUT_S) as r:
+                if r.status == 200:
+                    return
+                reason = f"HTTP {r.status}"
+        except OSError as e:
+            reason = str(getattr(e, "reason", e))
+        raise ConfigError(f"tracking.uri={uri} does not answer ({reason}); start the MLflow server or fix tracking.uri")
+    if uri.startswith("sqlite:///"):
+        folder = os.path.dirname(uri.removeprefix("sqlite:///")) or "."
+        if not os.access(folder, os.W_OK):
+            raise ConfigError(
+                f"tracking.uri={uri}: folder {folder} is missing or not writable; create it or fix tracking.uri"
+            )
+
+
+def check_resources(cfg: Config, cluster: dict[str, float]) -> None:
+    """Raises ConfigError: the cluster cannot hold the smallest world size of the range."""
+    lo, _ = cfg.worker_range
+    need = {"CPU": lo * cfg.scaling.cpus_per_worker, "GPU": lo if cfg.scaling.use_gpu else 0}
+    for res, amount in need.items():
+        if amount > cluster.get(res, 0):
+            fix = "scaling.cpus_per_worker" if res == "CPU" else "set scaling.use_gpu=false"
+            raise ConfigError(
+                f"scaling.num_workers={cfg.scaling.num_workers} needs {amount:g} {res} but the Ray cluster has "
+                f"{cluster.get(res, 0):g}; lower scaling.num_workers or {fix}, or add {res} nodes"
+            )
+
+
+def check_run_state(run_root: str) -> None:
+    """Refuse to start when complete checkpoints exist but Ray Train's record of them is gone.
+
+    Ray's run state (`checkpoint_manager_snapshot.json` in the run folder) is what says which
+    checkpoint is committed; without it the workers would see a fresh start and delete every
+    `step-*` folder as uncommitted. Raising instead loses nothing.
+
+    Raises:
+        CheckpointError: with the steps found and how to resume or start over.
+    """
+    complete = sorted(s for s, done in list_step_dirs(run_root).items() if done)
+    fs, base = fsspec.core.url_to_fs(run_root)
+    if complete and not fs.exists(f"{base.rstrip('/')}/{RAY_RUN_STATE}"):
+        raise CheckpointError(
+            f"{run_root} holds complete checkpoints (steps {', '.join(map(str, complete))}) but no {RAY_RUN_STATE}, "
+            "Ray Train's record of which one is committed; restore that file to resume, or move the step-* "
+            "folders away (or choose a new run.name) to start over"
+        )
+
+
+def check_checkpoint_compatible(cfg: Config, manifest: Manifest, run_root: str) -> None:
+    """Compare the newest complete checkpoint's fingerprint with this config (no workers needed).
+
+    Raises:
+        CheckpointError: a fingerprint entry differs (named, with both values).
+    """
+    complete = [s for s, done in list_step_dirs(run_root).items() if done]
+    if not complete:
+        return
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from raytrain_ft.model import build_model
+
+    with torch.device("meta"):  # shapes only: no weights are allocated
+        num_params = sum(
+            p.numel() for p in build_model(cfg.model.preset, manifest.vocab_size, manifest.seq_len, 0.0).parameters()
+        )
+    path = step_path(run_root, max(complete))
+    saved = RunMeta(fingerprint={})
+    dcp.load({KEY_META: saved}, storage_reader=FsspecReader(path), no_dist=True)
+    current = fingerprint(cfg, manifest, num_params)
+    diff = [
+        f"{k}: checkpoint {saved.fingerprint.get(k)} vs config {v}"
+        for k, v in current.items()
+        if saved.fingerprint.get(k) != v
+    ]
+    if diff:
+        raise CheckpointError(
+            f"checkpoint {path} belongs to a different model or dataset ({', '.join(diff)}); "
+            "use the original settings or a new run.name"
+        )
