@@ -1,4 +1,5 @@
-"""Elastic training on a 2-node local cluster: a node gets a preemption notice, is removed, and comes back."""
+"""Elastic training on a 3-node local cluster: a node gets a preemption notice, is removed, and comes back;
+the run trains at 3 workers (a global batch of 8 over 3 ranks: 2/3/3 sequences) and at 2."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+from mlflow.tracking import MlflowClient
 from scenarios.elastic import elastic_config
 
 from conftest import COMMITTED, REPO, assert_resumed, metric_by_step, scenario_outcome, uninterrupted_lrs
@@ -28,6 +30,12 @@ def expected_step_ids(dataset: str, steps: int, global_batch_size: int) -> dict[
     return {s: out[s] for s in range(1, steps + 1)}
 
 
+def metric_values(uri: str, run_id: str, key: str) -> list[float]:
+    """Every logged value of `key`, in logging order."""
+    history = MlflowClient(uri).get_metric_history(run_id, key)
+    return [m.value for m in sorted(history, key=lambda m: m.timestamp)]
+
+
 def test_preemption_then_shrink_on_node_loss_then_grow_back(tmp_path, dataset):
     r = subprocess.run(
         [sys.executable, os.path.join(REPO, "tests", "scenarios", "elastic.py"), dataset, str(tmp_path)],
@@ -45,9 +53,11 @@ def test_preemption_then_shrink_on_node_loss_then_grow_back(tmp_path, dataset):
     assert preempted_at > 20
     cfg, run_id = elastic_config(dataset, str(tmp_path)), outcome["run_id"]
     attempts = assert_resumed(cfg.tracking.uri, run_id, [0, preempted_at, COMMITTED])
-    assert [a["world_size"] for a in attempts] == [2, 1, 2]  # start, node loss, node back
+    assert [a["world_size"] for a in attempts] == [3, 2, 3]  # start, node loss, node back
     assert attempts[-1]["resumed_from"] >= preempted_at
-    # grad_accum_steps changed twice; the LR schedule continued as in an uninterrupted run
+    # the split's balance at each size: 8 / (3 x 3) at W=3 (the sequence-level bound), even at W=2
+    assert metric_values(cfg.tracking.uri, run_id, "batch_balance") == [8 / 9, 1.0, 8 / 9]
+    # the split changed twice; the LR schedule continued as in an uninterrupted run
     assert metric_by_step(cfg, run_id, "lr") == uninterrupted_lrs(cfg.train)
 
     audit = read_audit(str(tmp_path / "runs" / "elastic"))

@@ -1,4 +1,5 @@
-"""Preemption notice, elastic shrink and grow-back on a 2-node local cluster (`ray.cluster_utils.Cluster`).
+"""Preemption notice, elastic shrink and grow-back on a 3-node local cluster (`ray.cluster_utils.Cluster`),
+one worker per node, at a world size (3) that divides neither the global batch of 8 nor its 4 lanes.
 
 Run by tests/test_elastic.py in a subprocess (a Cluster needs a process without another Ray
 instance). Usage: python elastic.py DATASET WORKDIR. Prints one JSON line with what happened.
@@ -44,7 +45,7 @@ def elastic_config(dataset: str, workdir: str) -> Config:
             "faults=[{kind: slow, step: 1, steps: 100, seconds: 0.6, rank: -1}]",
             "train.global_batch_size=8",
             "checkpoint.interval_steps=10",
-            "scaling.num_workers=[1,2]",
+            "scaling.num_workers=[2,3]",
             # Ray's default 60 s between grow-back checks can outlast the ~50 s of training left after the shrink
             "scaling.resize_check_interval_s=5",
             "scaling.cpus_per_worker=0.8",  # one worker per 1-CPU node, 0.2 CPU left for Ray Data
@@ -58,6 +59,7 @@ def main(dataset: str, workdir: str) -> None:
     env = {**WORKER_ENV, "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15"}  # shrink sooner after a node loss
     os.environ.update(env)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
     worker_node = cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address, runtime_env={"env_vars": env}, log_to_driver=False)
     cfg = elastic_config(dataset, workdir)
@@ -97,7 +99,7 @@ def main(dataset: str, workdir: str) -> None:
     # ... then the node goes.
     cluster.remove_node(worker_node, allow_graceful=False)
     events.append("removed")
-    while 1 not in world_sizes(cfg.tracking.uri, run_id) and trainer.is_alive():
+    while 2 not in world_sizes(cfg.tracking.uri, run_id) and trainer.is_alive():
         time.sleep(1)
     cluster.add_node(num_cpus=1)
     events.append("added")
