@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 source .venv/bin/activate
-export RAY_AUTH_MODE=disabled  # a local, loopback-only head; see README "Ray authentication"
+export RAY_AUTH_MODE=disabled  # a local, loopback-only head; see docs/cluster.md "Ray authentication"
 python jobs/prepare_data.py --output data/stdlib
 RAY_num_workers_soft_limit=16 ray start --head --num-cpus=2 --dashboard-host=127.0.0.1 --disable-usage-stats >/dev/null
 trap 'ray stop >/dev/null 2>&1 || true' EXIT

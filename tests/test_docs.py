@@ -10,17 +10,18 @@ from conftest import REPO
 from raytrain_ft.config import load_config, reference_markdown, valid_keys
 
 README = Path(REPO, "README.md").read_text()
+CONFIG_REFERENCE = Path(REPO, "docs", "configuration.md").read_text()
 
 
 def test_config_reference_is_the_generated_one():
-    start = README.index("-->\n", README.index("<!-- config-reference:start")) + 4
-    end = README.index("<!-- config-reference:end -->")
-    assert README[start:end] == reference_markdown()
+    start = CONFIG_REFERENCE.index("-->\n", CONFIG_REFERENCE.index("<!-- config-reference:start")) + 4
+    end = CONFIG_REFERENCE.index("<!-- config-reference:end -->")
+    assert CONFIG_REFERENCE[start:end] == reference_markdown()
 
 
 def test_every_config_key_is_documented():
     for key in valid_keys():
-        assert f"`{key}`" in README, key
+        assert f"`{key}`" in CONFIG_REFERENCE, key
 
 
 def test_readme_commands_name_existing_files():
