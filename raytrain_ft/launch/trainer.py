@@ -28,11 +28,14 @@ log = logging.getLogger(__name__)
 WORKER_ENV = {
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",  # default 2 s: reports and failures noticed sooner
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",  # worker prints appear once
-    # A failed or timed-out NCCL collective tears the process down instead of hanging; the timeout is
-    # the process group's (TorchConfig(timeout_s=failure.collective_timeout_s)): NCCL_TIMEOUT alone is
-    # not read by PyTorch.
+    # A failed or timed-out NCCL collective aborts its communicators and tears the process down, so
+    # Ray Train sees a dead worker and restarts the group. The timeout is the process group's
+    # (TorchConfig(timeout_s=failure.collective_timeout_s)); PyTorch does not read NCCL_TIMEOUT.
+    # TORCH_NCCL_BLOCKING_WAIT stays unset: it makes every wait() block the host thread (Ray Train
+    # leaves it unset for its overhead too), and this watchdog already turns a stuck collective into an
+    # error. The same setting in cluster.yaml and cluster-gcp.yaml and in docs/cluster.md
+    # (tests/test_docs.py checks that they agree).
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-    "TORCH_NCCL_BLOCKING_WAIT": "1",  # wait() raises on timeout rather than blocking forever
 }
 
 # Ray kills a node's idle worker processes beyond its *available* CPUs after 1 s (ray-project/ray#36766).
