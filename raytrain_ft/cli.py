@@ -2,7 +2,7 @@
 
     raytrain-ft plan-interval --mtbf-hours 10000 --gpus 1000 --checkpoint-seconds 300
     raytrain-ft plan-memory --config configs/gpu-7b.yaml [--strategy ddp --micro-batch-size 2 ...]
-    raytrain-ft history RUN_NAME_OR_ID [--tracking-uri sqlite:///mlflow.db]   (or MLFLOW_TRACKING_URI)
+    raytrain-ft history RUN_NAME_OR_ID [--tracking-uri URI]   (or MLFLOW_TRACKING_URI)
     raytrain-ft check --config configs/gpu-7b.yaml [key=value ...] [--address RAY_ADDRESS]
 
 Errors in the input print one `error: ...` line on stderr and exit with status 2.
@@ -222,7 +222,8 @@ def _add_history(subparsers) -> None:
     p.add_argument(
         "--tracking-uri",
         default="",
-        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db)",
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///$HOME/raytrain-ft/mlflow.db, "
+        "where a run without tracking.uri logs)",
     )
     p.set_defaults(func=_history)
 

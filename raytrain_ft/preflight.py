@@ -34,7 +34,7 @@ from raytrain_ft.loop import check_data_fits, fingerprint
 from raytrain_ft.memory import check_fits
 from raytrain_ft.model import model_config
 from raytrain_ft.parallel import mesh_shape, resolve_strategy
-from raytrain_ft.tracking import resolve_uri
+from raytrain_ft.tracking import DEFAULT_STORE_DIR, resolve_uri
 from raytrain_ft.train_state import KEY_META, RunMeta
 
 RAY_RUN_STATE = "checkpoint_manager_snapshot.json"  # Ray Train's record of the committed checkpoints
@@ -122,6 +122,8 @@ def check_tracking(uri: str) -> None:
         raise ConfigError(f"tracking.uri={uri} does not answer ({reason}); start the MLflow server or fix tracking.uri")
     if uri.startswith("sqlite:///"):
         folder = os.path.dirname(uri.removeprefix("sqlite:///")) or "."
+        if folder == os.path.expanduser(DEFAULT_STORE_DIR) and not os.path.exists(folder):
+            folder = os.path.dirname(folder)  # the default store's folder is created at start (tracking_store)
         if not os.access(folder, os.W_OK):
             raise ConfigError(
                 f"tracking.uri={uri}: folder {folder} is missing or not writable; create it or fix tracking.uri"

@@ -16,7 +16,7 @@ from raytrain_ft.config import Config, to_dict
 from raytrain_ft.errors import UserError, find_user_error, raise_if_ended
 from raytrain_ft.launch.callbacks import RunRecorder, describe
 from raytrain_ft.launch.tracking_actor import close, start_tracking_actor
-from raytrain_ft.launch.tracking_server import history_uri, lasting_path, tracking_store
+from raytrain_ft.launch.tracking_server import lasting_path, tracking_store
 from raytrain_ft.launch.worker import train_func
 from raytrain_ft.preflight import problems
 from raytrain_ft.recovery import failures, root_first
@@ -87,7 +87,7 @@ def failure_line(cfg: Config, logger: RunLogger, started: float, fallback: str) 
         these = [f for _, f in failures(logger.events()) if f["time"] >= started]
     except Exception:  # the tracking store is unreachable: say what Ray said
         these = []
-    uri = history_uri(cfg.tracking.uri)
+    uri = resolve_uri(cfg.tracking.uri)  # the store's own URI, not the embedded server's (gone after the job)
     history = f"raytrain-ft history {cfg.run.name}" + (f" --tracking-uri {uri}" if uri != resolve_uri("") else "")
     if these:
         rank, cause = root_first(these[-1]["causes"])[0]
