@@ -269,3 +269,20 @@ def test_nccl_environment_is_the_same_in_code_cluster_files_and_docs():
     for cluster_file in ("cluster.yaml", "cluster-gcp.yaml"):
         assert _exports(cluster_file) == code, f"{cluster_file} worker_start_ray_commands vs WORKER_ENV"
     assert {k for k, v in rows.items() if v == "not set"} >= {"TORCH_NCCL_BLOCKING_WAIT", "NCCL_TIMEOUT"}
+
+
+def test_every_mlflow_ui_link_opens_the_model_training_view():
+    # MLflow 3.17's UI opens an experiment in its GenAI view (the browser's saved choice) unless the
+    # link asks for the model-training view
+    for doc, text in DOCS.items():
+        for link in re.findall(r"https?://[^\s`'\")]*#/experiments[^\s`'\")]*", text):
+            assert "?workflowType=machine_learning" in link, f"{doc}: {link}"
+    printed = [
+        *glob.glob(os.path.join(REPO, "scripts", "*.sh")),
+        *glob.glob(os.path.join(REPO, "raytrain_ft", "**", "*.py"), recursive=True),
+    ]
+    for path in printed:
+        text = Path(path).read_text()
+        if "#/experiments" in text:
+            assert "?workflowType=machine_learning" in text, path
+    assert "#/experiments" in Path(REPO, "scripts", "demo.sh").read_text()
