@@ -242,6 +242,8 @@ def _check(args: argparse.Namespace) -> int:
         return 2
     cluster = None
     address = args.address or os.environ.get("RAY_ADDRESS")
+    if address and address.startswith(("http://", "https://")):
+        address = None  # the dashboard's job-submission address (`ray job submit`), not a GCS address
     if address:  # connect to a running cluster (never start one) for its resources
         import ray
 
@@ -256,7 +258,7 @@ def _check(args: argparse.Namespace) -> int:
     lo, hi = cfg.worker_range
     g, m = cfg.train.global_batch_size, cfg.train.micro_batch_size
     balance = min(BatchPlan(g, m, w).batch_balance for w in range(lo, hi + 1))
-    resources = "checked" if cluster is not None else "not checked (no --address / RAY_ADDRESS)"
+    resources = "checked" if cluster is not None else "not checked (no Ray cluster address: --address or RAY_ADDRESS)"
     print(
         f"ok: {args.config}: world sizes {lo}-{hi} (lowest batch_balance {balance:.3f}), data, storage and "
         f"tracking checked; cluster resources {resources}"
