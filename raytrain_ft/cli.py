@@ -247,6 +247,15 @@ def _check(args: argparse.Namespace) -> int:
     if address:  # connect to a running cluster (never start one) for its resources
         import ray
 
+        from raytrain_ft.preflight import check_address
+
+        try:
+            if address != "auto":
+                check_address(address)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+
         ray.init(address=address, logging_level="ERROR", log_to_driver=False)
         cluster = ray.cluster_resources()
         ray.shutdown()
