@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
 from raytrain_ft.errors import CheckpointError, StorageFullError
+from raytrain_ft.schedule import extension_refusal
 from raytrain_ft.session import Session
 from raytrain_ft.train_state import KEY_META, KEY_MODEL, RunMeta, TrainState
 
@@ -298,7 +299,16 @@ class Checkpointer:
         diff = {
             k: (saved.fingerprint.get(k), v) for k, v in current.fingerprint.items() if saved.fingerprint.get(k) != v
         }
-        if diff:
+        current.history = saved.history
+        if set(diff) == {"train.max_steps"}:  # an extension (`raytrain-ft extend`, checked by the driver first)
+            planned, target = diff["train.max_steps"]
+            if reason := extension_refusal(saved.fingerprint, target, step_of(path)):
+                raise CheckpointError(f"checkpoint {path} cannot continue to train.max_steps={target}: {reason}")
+            current.history = [
+                *saved.history,
+                {"at_step": step_of(path), "from_max_steps": planned, "max_steps": target},
+            ]
+        elif diff:
             what = ", ".join(f"{k}: checkpoint {a} vs config {b}" for k, (a, b) in diff.items())
             raise CheckpointError(
                 f"checkpoint {path} belongs to a different model or dataset ({what}); "

@@ -62,3 +62,27 @@ def read_commit_ack(run_root: str) -> str | None:
             return f.read()
     except OSError:  # not written yet, or (object stores: s3fs FileExpired) replaced while being read
         return None
+
+
+EXTENSIONS_FILE = "extensions.json"
+
+
+def _extensions_path(run_root: str) -> str:
+    return f"{run_root.rstrip('/')}/{EXTENSIONS_FILE}"
+
+
+def read_extensions(run_root: str) -> list[dict]:
+    """The run's extensions (`raytrain-ft extend`), oldest first: `{"time" (unix s), "at_step",
+    "from_max_steps", "max_steps"}` each; [] for a run never extended."""
+    try:
+        with fsspec.open(_extensions_path(run_root), "r") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return []
+
+
+def record_extension(run_root: str, record: dict) -> None:
+    """Append `record` to `<run folder>/extensions.json` (written whole: one writer, the `extend` command)."""
+    records = read_extensions(run_root) + [record]
+    with fsspec.open(_extensions_path(run_root), "w") as f:
+        json.dump(records, f, indent=1)

@@ -14,12 +14,13 @@ import torch
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from raytrain_ft.checkpoint import list_step_dirs, step_path
+from raytrain_ft.checkpoint import list_step_dirs, step_of, step_path
 from raytrain_ft.config import Config, to_dict
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.position import check_world_sizes
 from raytrain_ft.errors import CheckpointError, ConfigError, UserError, find_user_error, raise_if_ended
 from raytrain_ft.launch.callbacks import RunRecorder, describe
+from raytrain_ft.launch.run_files import read_extensions, record_extension
 from raytrain_ft.launch.tracking_actor import close, start_tracking_actor
 from raytrain_ft.launch.tracking_server import history_uri, lasting_path, tracking_store
 from raytrain_ft.launch.worker import train_func
@@ -28,6 +29,7 @@ from raytrain_ft.memory import check_fits
 from raytrain_ft.model import build_model, model_config
 from raytrain_ft.parallel import mesh_shape, resolve_strategy
 from raytrain_ft.recovery import failures, root_first
+from raytrain_ft.schedule import extension_refusal
 from raytrain_ft.tracking import RunLogger, flatten, resolve_uri, start_or_resume_run
 from raytrain_ft.train_state import RunMeta
 
@@ -123,33 +125,97 @@ def check_run_state(run_root: str) -> None:
 
 
 def check_checkpoint_compatible(cfg: Config, manifest, run_root: str) -> None:
-    """Compare the newest complete checkpoint's fingerprint with this config (no workers needed)."""
-    complete = [s for s, done in list_step_dirs(run_root).items() if done]
-    if not complete:
+    """Compare the newest complete checkpoint's fingerprint with this config (no workers needed).
+    A changed `train.max_steps` alone passes only as the target `raytrain-ft extend` last recorded
+    (`extend`), while the schedule still allows it (`raytrain_ft.schedule.extension_refusal`)."""
+    newest = newest_checkpoint(run_root)
+    if newest is None:
         return
-    import torch.distributed.checkpoint as dcp
-
-    from raytrain_ft.checkpoint import FsspecReader
-    from raytrain_ft.train_state import KEY_META
-
+    path, saved = newest
     with torch.device("meta"):
         num_params = sum(
             p.numel() for p in build_model(cfg.model.preset, manifest.vocab_size, manifest.seq_len, 0.0).parameters()
         )
-    path = step_path(run_root, max(complete))
-    saved = RunMeta(fingerprint={})
-    dcp.load({KEY_META: saved}, storage_reader=FsspecReader(path), no_dist=True)
     current = fingerprint(cfg, manifest, num_params)
     diff = [
         f"{k}: checkpoint {saved.fingerprint.get(k)} vs config {v}"
         for k, v in current.items()
         if saved.fingerprint.get(k) != v
     ]
-    if diff:
+    if len(diff) == 1 and diff[0].startswith("train.max_steps:"):
+        check_extended(cfg, run_root, path, saved)
+    elif diff:
         raise CheckpointError(
             f"checkpoint {path} belongs to a different model or dataset ({', '.join(diff)}); "
             "use the original settings or a new run.name"
         )
+
+
+def newest_checkpoint(run_root: str) -> tuple[str, RunMeta] | None:
+    """(path, run metadata) of the newest complete checkpoint under `run_root`; None before the first."""
+    complete = [s for s, done in list_step_dirs(run_root).items() if done]
+    if not complete:
+        return None
+    import torch.distributed.checkpoint as dcp
+
+    from raytrain_ft.checkpoint import FsspecReader
+    from raytrain_ft.train_state import KEY_META
+
+    path = step_path(run_root, max(complete))
+    saved = RunMeta(fingerprint={})
+    dcp.load({KEY_META: saved}, storage_reader=FsspecReader(path), no_dist=True)
+    return path, saved
+
+
+def check_extended(cfg: Config, run_root: str, path: str, saved: RunMeta) -> None:
+    """Raise unless `cfg.train.max_steps` is the run's last recorded extension and the checkpoint at
+    `path` (fingerprint in `saved`) may still continue to it.
+
+    Raises:
+        CheckpointError: one line naming `raytrain-ft extend`, or the reason the schedule refuses.
+    """
+    planned, target = saved.fingerprint["train.max_steps"], cfg.train.max_steps
+    recorded = read_extensions(run_root)
+    if not recorded or recorded[-1]["max_steps"] != target:
+        now = f"; its last extension is to {recorded[-1]['max_steps']}" if recorded else ""
+        raise CheckpointError(
+            f"checkpoint {path} was planned for train.max_steps={planned} but the config says {target}{now}; to train "
+            f"a wsd run further run `raytrain-ft extend {cfg.run.name} --max-steps {target}` first, else use the "
+            "original max_steps or a new run.name"
+        )
+    if reason := extension_refusal(saved.fingerprint, target, step_of(path)):
+        raise CheckpointError(f"run {cfg.run.name} cannot continue to train.max_steps={target}: {reason}")
+
+
+def extend(run_root: str, max_steps: int, logger: RunLogger) -> dict:
+    """Record that the run in `run_root` trains on to `max_steps`: in `<run folder>/extensions.json`
+    (what the next submission's preflight checks), as an `extended` event and the `max_steps` tag of
+    its MLflow run (`logger`); the resumed run adds it to its checkpoints' fingerprint history
+    (`RunMeta.history`). Returns the record (`run_files.read_extensions`).
+
+    Raises:
+        CheckpointError: no complete checkpoint yet, or the schedule refuses (one line with the reason).
+    """
+    newest = newest_checkpoint(run_root)
+    if newest is None:
+        raise CheckpointError(
+            f"{run_root} holds no complete checkpoint, so nothing trained is kept: submit it with the new "
+            "train.max_steps instead"
+        )
+    path, saved = newest
+    step = step_of(path)
+    if reason := extension_refusal(saved.fingerprint, max_steps, step):
+        raise CheckpointError(f"cannot extend {run_root} to train.max_steps={max_steps}: {reason}")
+    record = {
+        "time": time.time(),
+        "at_step": step,
+        "from_max_steps": saved.fingerprint["train.max_steps"],
+        "max_steps": max_steps,
+    }
+    record_extension(run_root, record)
+    logger.event("extended", **record)
+    logger.tags({"max_steps": max_steps})
+    return record
 
 
 MAX_LINE = 300
