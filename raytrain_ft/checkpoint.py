@@ -279,7 +279,8 @@ class Checkpointer:
         return None, set()
 
     def _loadable(self, path: str, state: TrainState) -> tuple[dict, dict]:
-        """The components present in the checkpoint (a new rank after a resize has no RNG entry),
+        """The components present in the checkpoint (a new rank after a resize has no RNG entry) but
+        the run metadata (this config's fingerprint, and the history `_check_compatible` carried over),
         and the checkpoint's `state_dict_metadata`.
 
         Raises:
@@ -287,7 +288,9 @@ class Checkpointer:
                 uninitialised when a checkpoint will load: `parallel.build(resuming=True)`).
         """
         saved = FsspecReader(path).read_metadata().state_dict_metadata
-        loadable = {k: c for k, c in state.components.items() if any(s.startswith(k + ".") for s in saved)}
+        loadable = {
+            k: c for k, c in state.components.items() if k != KEY_META and any(s.startswith(k + ".") for s in saved)
+        }
         if KEY_MODEL not in loadable:
             raise CheckpointError(f"checkpoint {path} holds no model weights; delete it or pick a new run.name")
         return loadable, saved
