@@ -4,7 +4,9 @@
 `RunLogger`) records each step in the run's timeline (`raytrain_ft.timeline`: `loss`, `lr`,
 `grad_norm`, `tokens_per_s`, `tokens_per_s_per_device`, `mfu` on GPU, `step_time_s`, `epoch`,
 `checkpoint_stall_s`), the attempt's `first_step` event with its recovery tables, and each skipped
-step (`skipped_steps` metric, `skipped_step` event). Every rank logs its skips.
+step (`skipped_steps` metric, `skipped_step` event), and every `PROGRESS_EVERY` steps logs a
+progress line (`progress_line`: step / max_steps, loss, tokens/s, ETA) that Ray streams to the
+driver. Every rank logs its skips.
 
 Step time (seconds) runs from `before_step` to `after_optimizer_step`: batch read, forward/backward,
 clip, guard, optimizer (checkpoint stalls included; the save and the guards' checks after the

@@ -137,16 +137,13 @@ def check_checkpoint_compatible(cfg: Config, manifest, run_root: str) -> None:
             p.numel() for p in build_model(cfg.model.preset, manifest.vocab_size, manifest.seq_len, 0.0).parameters()
         )
     current = fingerprint(cfg, manifest, num_params)
-    diff = [
-        f"{k}: checkpoint {saved.fingerprint.get(k)} vs config {v}"
-        for k, v in current.items()
-        if saved.fingerprint.get(k) != v
-    ]
-    if len(diff) == 1 and diff[0].startswith("train.max_steps:"):
+    diff = {k: v for k, v in current.items() if saved.fingerprint.get(k) != v}
+    if set(diff) == {"train.max_steps"}:
         check_extended(cfg, run_root, path, saved)
     elif diff:
+        what = ", ".join(f"{k}: checkpoint {saved.fingerprint.get(k)} vs config {v}" for k, v in diff.items())
         raise CheckpointError(
-            f"checkpoint {path} belongs to a different model or dataset ({', '.join(diff)}); "
+            f"checkpoint {path} belongs to a different model or dataset ({what}); "
             "use the original settings or a new run.name"
         )
 
