@@ -154,6 +154,10 @@ def seed_rngs(seed: int, rank: int) -> None:
     torch.manual_seed(seed * 1000 + rank)
 
 
+# What a checkpoint written before `train.lr_schedule` existed planned: its run still resumes.
+PRE_SCHEDULE_FINGERPRINT = {"train.lr_schedule": "cosine", "train.decay_steps": 0}
+
+
 @dataclass
 class RunMeta:
     """What must match between a checkpoint and the run loading it, plus the MLflow run id and the
@@ -170,7 +174,8 @@ class RunMeta:
 
     def load_state_dict(self, state: dict) -> None:
         d = json.loads(state["json"])
-        self.fingerprint, self.mlflow_run_id, self.history = d["fingerprint"], d["mlflow_run_id"], d.get("history", [])
+        self.fingerprint = {**PRE_SCHEDULE_FINGERPRINT, **d["fingerprint"]}
+        self.mlflow_run_id, self.history = d["mlflow_run_id"], d.get("history", [])
 
 
 class TrainState:

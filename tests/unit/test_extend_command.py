@@ -3,6 +3,7 @@ here (no Ray, no process group): what it records, and the one-line refusals."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -77,3 +78,10 @@ def test_extend_of_an_unknown_run_or_one_without_a_checkpoint_is_refused_in_one_
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds no complete checkpoint" in err
     assert read_extensions(root) == []
+
+
+def test_a_checkpoint_written_before_lr_schedule_existed_reads_as_the_cosine_it_was():
+    meta = RunMeta(fingerprint={})
+    meta.load_state_dict({"json": json.dumps({"fingerprint": {"train.max_steps": 20}, "mlflow_run_id": "r"})})
+    assert meta.fingerprint == {"train.max_steps": 20, "train.lr_schedule": "cosine", "train.decay_steps": 0}
+    assert meta.history == []
