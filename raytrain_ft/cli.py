@@ -154,32 +154,45 @@ def _add_plan_memory(subparsers) -> None:
     p.set_defaults(func=_plan_memory)
 
 
+def _store(tracking_uri: str):
+    """An `MlflowClient` of the store `tracking_uri` names (default: as `raytrain_ft.tracking.resolve_uri`)."""
+    from mlflow.tracking import MlflowClient
+
+    from raytrain_ft.tracking import resolve_uri
+
+    uri = resolve_uri(tracking_uri)
+    if uri.startswith("sqlite:///") and not os.path.exists(uri.removeprefix("sqlite:///")):  # MLflow would create it
+        raise ValueError(
+            f"no MLflow store at {uri}; point --tracking-uri (or MLFLOW_TRACKING_URI) at the store the run logged to"
+        )
+    return MlflowClient(uri)
+
+
+def _find_run(client, run: str):
+    """The MLflow run named `run` (or with that id) in any experiment of `client`'s store."""
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    matches = client.search_runs(experiments, f"attributes.run_id = '{run}'") if len(run) == 32 else []
+    matches = matches or client.search_runs(experiments, f"attributes.run_name = '{run}'")
+    if not matches:
+        raise ValueError(
+            f"no MLflow run named or with id {run!r} in {client.tracking_uri}; check the name, "
+            "or point --tracking-uri (or MLFLOW_TRACKING_URI) at the store the run logged to"
+        )
+    return matches[0]
+
+
 def _history(args: argparse.Namespace) -> int:
     """Print a run's recovery history, guard events, totals and goodput from MLflow (see `raytrain_ft.recovery`)."""
-    from mlflow.tracking import MlflowClient
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
     from raytrain_ft import recovery
-    from raytrain_ft.tracking import RunLogger, resolve_uri
+    from raytrain_ft.tracking import RunLogger
 
-    uri = resolve_uri(args.tracking_uri)
-    if uri.startswith("sqlite:///") and not os.path.exists(uri.removeprefix("sqlite:///")):  # MLflow would create it
-        raise ValueError(
-            f"no MLflow store at {uri}; point --tracking-uri (or MLFLOW_TRACKING_URI) at the store the run logged to"
-        )
-    client = MlflowClient(uri)
-    experiments = [e.experiment_id for e in client.search_experiments()]
-    matches = client.search_runs(experiments, f"attributes.run_id = '{args.run}'") if len(args.run) == 32 else []
-    matches = matches or client.search_runs(experiments, f"attributes.run_name = '{args.run}'")
-    if not matches:
-        raise ValueError(
-            f"no MLflow run named or with id {args.run!r} in {uri}; check the name, "
-            "or point --tracking-uri (or MLFLOW_TRACKING_URI) at the store the run logged to"
-        )
-    run = matches[0]
-    events = RunLogger(uri, run.info.run_id).events()
+    client = _store(args.tracking_uri)
+    run = _find_run(client, args.run)
+    events = RunLogger(client.tracking_uri, run.info.run_id).events()
     console = Console(width=200)
     console.print(f"run {run.info.run_name} ({run.info.run_id}), status {run.info.status}")
     for title, rows in (
@@ -226,33 +239,6 @@ def _add_history(subparsers) -> None:
         help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db)",
     )
     p.set_defaults(func=_history)
-
-
-def _store(tracking_uri: str):
-    """An `MlflowClient` of the store `tracking_uri` names (default: as `raytrain_ft.tracking.resolve_uri`)."""
-    from mlflow.tracking import MlflowClient
-
-    from raytrain_ft.tracking import resolve_uri
-
-    uri = resolve_uri(tracking_uri)
-    if uri.startswith("sqlite:///") and not os.path.exists(uri.removeprefix("sqlite:///")):  # MLflow would create it
-        raise ValueError(
-            f"no MLflow store at {uri}; point --tracking-uri (or MLFLOW_TRACKING_URI) at the store the run logged to"
-        )
-    return MlflowClient(uri)
-
-
-def _find_run(client, run: str):
-    """The MLflow run named `run` (or with that id) in any experiment of `client`'s store."""
-    experiments = [e.experiment_id for e in client.search_experiments()]
-    matches = client.search_runs(experiments, f"attributes.run_id = '{run}'") if len(run) == 32 else []
-    matches = matches or client.search_runs(experiments, f"attributes.run_name = '{run}'")
-    if not matches:
-        raise ValueError(
-            f"no MLflow run named or with id {run!r} in {client.tracking_uri}; check the name, "
-            "or point --tracking-uri (or MLFLOW_TRACKING_URI) at the store the run logged to"
-        )
-    return matches[0]
 
 
 def _extend(args: argparse.Namespace) -> int:
