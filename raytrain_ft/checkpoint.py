@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
 from raytrain_ft.errors import CheckpointError, StorageFullError
+from raytrain_ft.schedule import extension_refusal
 from raytrain_ft.session import Session
 from raytrain_ft.train_state import KEY_META, KEY_MODEL, RunMeta, TrainState
 
@@ -278,7 +279,8 @@ class Checkpointer:
         return None, set()
 
     def _loadable(self, path: str, state: TrainState) -> tuple[dict, dict]:
-        """The components present in the checkpoint (a new rank after a resize has no RNG entry),
+        """The components present in the checkpoint (a new rank after a resize has no RNG entry) but
+        the run metadata (this config's fingerprint, and the history `_check_compatible` carried over),
         and the checkpoint's `state_dict_metadata`.
 
         Raises:
@@ -286,7 +288,9 @@ class Checkpointer:
                 uninitialised when a checkpoint will load: `parallel.build(resuming=True)`).
         """
         saved = FsspecReader(path).read_metadata().state_dict_metadata
-        loadable = {k: c for k, c in state.components.items() if any(s.startswith(k + ".") for s in saved)}
+        loadable = {
+            k: c for k, c in state.components.items() if k != KEY_META and any(s.startswith(k + ".") for s in saved)
+        }
         if KEY_MODEL not in loadable:
             raise CheckpointError(f"checkpoint {path} holds no model weights; delete it or pick a new run.name")
         return loadable, saved
@@ -298,7 +302,16 @@ class Checkpointer:
         diff = {
             k: (saved.fingerprint.get(k), v) for k, v in current.fingerprint.items() if saved.fingerprint.get(k) != v
         }
-        if diff:
+        current.history = saved.history
+        if set(diff) == {"train.max_steps"}:  # an extension (`raytrain-ft extend`, checked by the driver first)
+            planned, target = diff["train.max_steps"]
+            if reason := extension_refusal(saved.fingerprint, target, step_of(path)):
+                raise CheckpointError(f"checkpoint {path} cannot continue to train.max_steps={target}: {reason}")
+            current.history = [
+                *saved.history,
+                {"at_step": step_of(path), "from_max_steps": planned, "max_steps": target},
+            ]
+        elif diff:
             what = ", ".join(f"{k}: checkpoint {a} vs config {b}" for k, (a, b) in diff.items())
             raise CheckpointError(
                 f"checkpoint {path} belongs to a different model or dataset ({what}); "

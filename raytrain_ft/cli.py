@@ -4,6 +4,8 @@
     raytrain-ft plan-memory --config configs/gpu-7b.yaml [--strategy ddp --micro-batch-size 2 ...]
     raytrain-ft history RUN_NAME_OR_ID [--tracking-uri URI]   (or MLFLOW_TRACKING_URI)
     raytrain-ft check --config configs/gpu-7b.yaml [key=value ...] [--address RAY_ADDRESS]
+    raytrain-ft extend RUN_NAME_OR_ID --max-steps N [--tracking-uri ...]
+    raytrain-ft runs [--tracking-uri ...]
 
 Errors in the input print one `error: ...` line on stderr and exit with status 2.
 """
@@ -153,32 +155,45 @@ def _add_plan_memory(subparsers) -> None:
     p.set_defaults(func=_plan_memory)
 
 
+def _store(tracking_uri: str):
+    """An `MlflowClient` of the store `tracking_uri` names (default: as `raytrain_ft.tracking.resolve_uri`)."""
+    from mlflow.tracking import MlflowClient
+
+    from raytrain_ft.tracking import resolve_uri
+
+    uri = resolve_uri(tracking_uri)
+    if uri.startswith("sqlite:///") and not os.path.exists(uri.removeprefix("sqlite:///")):  # MLflow would create it
+        raise ValueError(
+            f"no MLflow store at {uri}; point --tracking-uri (or MLFLOW_TRACKING_URI) at the store the run logged to"
+        )
+    return MlflowClient(uri)
+
+
+def _find_run(client, run: str):
+    """The MLflow run named `run` (or with that id) in any experiment of `client`'s store."""
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    matches = client.search_runs(experiments, f"attributes.run_id = '{run}'") if len(run) == 32 else []
+    matches = matches or client.search_runs(experiments, f"attributes.run_name = '{run}'")
+    if not matches:
+        raise ValueError(
+            f"no MLflow run named or with id {run!r} in {client.tracking_uri}; check the name, "
+            "or point --tracking-uri (or MLFLOW_TRACKING_URI) at the store the run logged to"
+        )
+    return matches[0]
+
+
 def _history(args: argparse.Namespace) -> int:
     """Print a run's recovery history, guard events, totals and goodput from MLflow (see `raytrain_ft.recovery`)."""
-    from mlflow.tracking import MlflowClient
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
     from raytrain_ft import recovery
-    from raytrain_ft.tracking import RunLogger, resolve_uri
+    from raytrain_ft.tracking import RunLogger
 
-    uri = resolve_uri(args.tracking_uri)
-    if uri.startswith("sqlite:///") and not os.path.exists(uri.removeprefix("sqlite:///")):  # MLflow would create it
-        raise ValueError(
-            f"no MLflow store at {uri}; point --tracking-uri (or MLFLOW_TRACKING_URI) at the store the run logged to"
-        )
-    client = MlflowClient(uri)
-    experiments = [e.experiment_id for e in client.search_experiments()]
-    matches = client.search_runs(experiments, f"attributes.run_id = '{args.run}'") if len(args.run) == 32 else []
-    matches = matches or client.search_runs(experiments, f"attributes.run_name = '{args.run}'")
-    if not matches:
-        raise ValueError(
-            f"no MLflow run named or with id {args.run!r} in {uri}; check the name, "
-            "or point --tracking-uri (or MLFLOW_TRACKING_URI) at the store the run logged to"
-        )
-    run = matches[0]
-    events = RunLogger(uri, run.info.run_id).events()
+    client = _store(args.tracking_uri)
+    run = _find_run(client, args.run)
+    events = RunLogger(client.tracking_uri, run.info.run_id).events()
     console = Console(width=200)
     console.print(f"run {run.info.run_name} ({run.info.run_id}), status {run.info.status}")
     for title, rows in (
@@ -275,6 +290,27 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _extend(args: argparse.Namespace) -> int:
+    """Record a new `train.max_steps` for a wsd run (see `raytrain_ft.launch.trainer.extend`)."""
+    from raytrain_ft.errors import UserError
+    from raytrain_ft.launch.trainer import extend
+    from raytrain_ft.tracking import RunLogger
+
+    client = _store(args.tracking_uri)
+    run = _find_run(client, args.run)
+    run_root = os.path.join(run.data.params["run.storage_path"], run.data.params["run.name"])
+    try:
+        record = extend(run_root, args.max_steps, RunLogger(client.tracking_uri, run.info.run_id))
+    except UserError as e:
+        raise ValueError(str(e)) from None
+    print(
+        f"run {run.info.run_name}: planned for {record['from_max_steps']} steps, checkpoint at step "
+        f"{record['at_step']}, now extended to {record['max_steps']}; resubmit it with "
+        f"train.max_steps={record['max_steps']}"
+    )
+    return 0
+
+
 def _add_check(subparsers) -> None:
     p = subparsers.add_parser(
         "check",
@@ -291,6 +327,76 @@ def _add_check(subparsers) -> None:
     p.set_defaults(func=_check)
 
 
+def _add_extend(subparsers) -> None:
+    p = subparsers.add_parser(
+        "extend",
+        help="let a wsd run train on to a larger max_steps (before its decay began)",
+        description="Record a new train.max_steps for a run with train.lr_schedule=wsd whose newest checkpoint is "
+        "before the decay phase; a resubmission with that train.max_steps then trains on as if it had been "
+        "planned from the start (docs/extending-runs.md). Cosine runs and runs already decaying are refused.",
+    )
+    p.add_argument("run", help="MLflow run name (run.name) or run id")
+    p.add_argument("--max-steps", type=int, required=True, help="the new train.max_steps")
+    p.add_argument(
+        "--tracking-uri",
+        default="",
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///$HOME/raytrain-ft/mlflow.db)",
+    )
+    p.set_defaults(func=_extend)
+
+
+def run_rows(runs) -> list[dict[str, str]]:
+    """One row per MLflow run (`mlflow.entities.Run`): name, status, step / max_steps (the extended
+    target where `raytrain-ft extend` set the `max_steps` tag), last loss and val_loss, restarts and
+    goodput (blank where not logged yet)."""
+
+    def number(metrics: dict, key: str, fmt: str) -> str:
+        return format(metrics[key], fmt) if key in metrics else ""
+
+    rows = []
+    for r in runs:
+        m, max_steps = r.data.metrics, r.data.tags.get("max_steps", r.data.params.get("train.max_steps", "?"))
+        rows.append(
+            {
+                "name": r.info.run_name,
+                "status": r.info.status,
+                "step": f"{int(m.get('last_step', 0))}/{max_steps}",
+                "loss": number(m, "loss", ".4f"),
+                "val_loss": number(m, "val_loss", ".4f"),
+                "restarts": str(int(m.get("restarts", 0))),
+                "goodput": number(m, "goodput", ".3f"),
+            }
+        )
+    return rows
+
+
+def _runs(args: argparse.Namespace) -> int:
+    """List the training runs of a tracking store, newest first (`run_rows`)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    client = _store(args.tracking_uri)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    rows = run_rows(client.search_runs(experiments, order_by=["attributes.start_time DESC"]) if experiments else [])
+    table = Table(title=f"Runs in {client.tracking_uri}")
+    for column in ("name", "status", "step", "loss", "val_loss", "restarts", "goodput"):
+        table.add_column(column, justify="left" if column in ("name", "status") else "right")
+    for row in rows:
+        table.add_row(*row.values())
+    Console(width=160).print(table)
+    return 0
+
+
+def _add_runs(subparsers) -> None:
+    p = subparsers.add_parser("runs", help="the runs of an MLflow store: status, progress, loss, restarts, goodput")
+    p.add_argument(
+        "--tracking-uri",
+        default="",
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///$HOME/raytrain-ft/mlflow.db)",
+    )
+    p.set_defaults(func=_runs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raytrain-ft", description="Fault-tolerant LLM pretraining on Ray Train.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -298,6 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_memory(subparsers)
     _add_history(subparsers)
     _add_check(subparsers)
+    _add_extend(subparsers)
+    _add_runs(subparsers)
     return parser
 
 

@@ -24,6 +24,7 @@ FAULT_KINDS = ("raise", "kill", "kill_during_save", "nan", "spike", "bitflip", "
 ALERT_POLICIES = ("warn", "restart")
 INTERVAL_MODES = ("fixed", "auto")
 STRATEGIES = ("auto", "ddp", "fsdp", "hsdp")
+LR_SCHEDULES = ("cosine", "wsd")  # raytrain_ft.schedule
 GPU_TYPES = ("A100-40GB", "A100-80GB", "H100", "H200")  # the keys of raytrain_ft.hardware.GPUS
 
 
@@ -53,8 +54,10 @@ class TrainSection:
     seq_len: int = 0  # 0 = take it from the dataset manifest; otherwise must equal it
     seed: int = 0  # seeds model init, data order and dropout
     lr: float = 3.0e-4  # peak learning rate of AdamW
-    warmup_steps: int = 10  # linear warmup steps before the cosine decay
-    min_lr_ratio: float = 0.1  # the cosine decays to lr x min_lr_ratio at max_steps
+    warmup_steps: int = 10  # linear warmup steps before the cosine decay (wsd: before the constant lr)
+    min_lr_ratio: float = 0.1  # the schedule decays to lr x min_lr_ratio at max_steps
+    lr_schedule: str = "cosine"  # cosine / wsd (warmup-stable-decay: extendable, see docs/extending-runs.md)
+    decay_steps: int = 0  # wsd: the last decay_steps steps decay linearly to lr x min_lr_ratio; >= 1 under wsd
     weight_decay: float = 0.1  # AdamW weight decay
     grad_clip: float = 1.0  # max global grad norm (clip_grad_norm_)
 
@@ -294,6 +297,7 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(
             f"config key 'checkpoint.interval' is {cfg.checkpoint.interval!r}; valid: {', '.join(INTERVAL_MODES)}"
         )
+    _validate_schedule(cfg.train)
     if not cfg.failure.mtbf_hours_per_gpu > 0:
         raise ConfigError(f"config key 'failure.mtbf_hours_per_gpu' must be > 0, got {cfg.failure.mtbf_hours_per_gpu}")
     positive = {
@@ -310,6 +314,16 @@ def _validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"config key '{key}' must be >= 1, got {value}")
+
+
+def _validate_schedule(t: TrainSection) -> None:
+    if t.lr_schedule not in LR_SCHEDULES:
+        raise ConfigError(f"config key 'train.lr_schedule' is {t.lr_schedule!r}; valid: {', '.join(LR_SCHEDULES)}")
+    if t.lr_schedule == "wsd" and not 1 <= t.decay_steps <= t.max_steps - t.warmup_steps:
+        raise ConfigError(
+            f"config key 'train.decay_steps' is {t.decay_steps} but train.lr_schedule=wsd needs 1 <= decay_steps <= "
+            f"max_steps - warmup_steps ({t.max_steps - t.warmup_steps}); about 20% of max_steps is usual"
+        )
 
 
 if __name__ == "__main__":

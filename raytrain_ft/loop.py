@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from raytrain_ft.checkpoint import Checkpointer, list_step_dirs, peek, restore_latest, step_path
-from raytrain_ft.config import Config, TrainSection
+from raytrain_ft.config import Config
 from raytrain_ft.data.audit import DataAudit
 from raytrain_ft.data.manifest import Manifest, load_manifest
 from raytrain_ft.data.order import steps_per_epoch, window_sample_ids
@@ -40,6 +40,7 @@ from raytrain_ft.interval import CheckpointSchedule, planning_mtbf_s
 from raytrain_ft.model import lm_loss
 from raytrain_ft.parallel import Parallel, build
 from raytrain_ft.recovery import failures
+from raytrain_ft.schedule import lr_schedule
 from raytrain_ft.session import Session
 from raytrain_ft.step_metrics import StepMetrics
 from raytrain_ft.train_state import (
@@ -67,25 +68,10 @@ from raytrain_ft.watchdog import StepWatchdog
 log = logging.getLogger(__name__)
 
 
-def lr_schedule(optimizer: torch.optim.Optimizer, t: TrainSection) -> torch.optim.lr_scheduler.LRScheduler:
-    """Linear warmup over `warmup_steps`, then cosine decay to `lr x min_lr_ratio` at `max_steps`."""
-    warmup = max(1, min(t.warmup_steps, t.max_steps - 1))
-    return torch.optim.lr_scheduler.SequentialLR(
-        optimizer,
-        [
-            torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0 / warmup, total_iters=warmup),
-            torch.optim.lr_scheduler.CosineAnnealingLR(
-                optimizer, T_max=max(1, t.max_steps - warmup), eta_min=t.lr * t.min_lr_ratio
-            ),
-        ],
-        milestones=[warmup],
-    )
-
-
 def fingerprint(cfg: Config, manifest: Manifest, num_params: int) -> dict:
     """What must match between a checkpoint and the run resuming it: model shape, data, data order and
     LR schedule (a changed seed would re-permute a half-consumed epoch; a changed max_steps would
-    stretch a cosine already half done). To train further, start a new run.name."""
+    stretch a cosine already half done). To train a wsd run further: `raytrain-ft extend` (raytrain_ft.schedule)."""
     return {
         "model.preset": cfg.model.preset,
         "num_params": num_params,
@@ -100,6 +86,8 @@ def fingerprint(cfg: Config, manifest: Manifest, num_params: int) -> dict:
         "train.lr": cfg.train.lr,
         "train.warmup_steps": cfg.train.warmup_steps,
         "train.min_lr_ratio": cfg.train.min_lr_ratio,
+        "train.lr_schedule": cfg.train.lr_schedule,
+        "train.decay_steps": cfg.train.decay_steps,
     }
 
 

@@ -28,15 +28,17 @@ from collections.abc import Callable
 
 import fsspec
 
-from raytrain_ft.checkpoint import FsspecReader, list_step_dirs, step_path
+from raytrain_ft.checkpoint import FsspecReader, list_step_dirs, step_of, step_path
 from raytrain_ft.config import Config
 from raytrain_ft.data.manifest import Manifest, load_manifest
 from raytrain_ft.data.position import check_world_sizes
 from raytrain_ft.errors import CheckpointError, ConfigError, UserError
+from raytrain_ft.launch.run_files import read_extensions
 from raytrain_ft.loop import check_data_fits, fingerprint
 from raytrain_ft.memory import check_fits
 from raytrain_ft.model import model_config
 from raytrain_ft.parallel import mesh_shape, resolve_strategy
+from raytrain_ft.schedule import extension_refusal
 from raytrain_ft.tracking import resolve_uri
 from raytrain_ft.train_state import KEY_META, RunMeta
 
@@ -181,17 +183,15 @@ def check_run_state(run_root: str) -> None:
         )
 
 
-def check_checkpoint_compatible(cfg: Config, manifest: Manifest, run_root: str) -> None:
+def check_checkpoint_compatible(cfg: Config, manifest, run_root: str) -> None:
     """Compare the newest complete checkpoint's fingerprint with this config (no workers needed).
-
-    Raises:
-        CheckpointError: a fingerprint entry differs (named, with both values).
-    """
-    complete = [s for s, done in list_step_dirs(run_root).items() if done]
-    if not complete:
+    A changed `train.max_steps` alone passes only as the target `raytrain-ft extend` last recorded
+    (`extend`), while the schedule still allows it (`raytrain_ft.schedule.extension_refusal`)."""
+    newest = newest_checkpoint(run_root)
+    if newest is None:
         return
+    path, saved = newest
     import torch
-    import torch.distributed.checkpoint as dcp
 
     from raytrain_ft.model import build_model
 
@@ -199,17 +199,46 @@ def check_checkpoint_compatible(cfg: Config, manifest: Manifest, run_root: str) 
         num_params = sum(
             p.numel() for p in build_model(cfg.model.preset, manifest.vocab_size, manifest.seq_len, 0.0).parameters()
         )
+    current = fingerprint(cfg, manifest, num_params)
+    diff = {k: v for k, v in current.items() if saved.fingerprint.get(k) != v}
+    if set(diff) == {"train.max_steps"}:
+        check_extended(cfg, run_root, path, saved)
+    elif diff:
+        what = ", ".join(f"{k}: checkpoint {saved.fingerprint.get(k)} vs config {v}" for k, v in diff.items())
+        raise CheckpointError(
+            f"checkpoint {path} belongs to a different model or dataset ({what}); "
+            "use the original settings or a new run.name"
+        )
+
+
+def newest_checkpoint(run_root: str) -> tuple[str, RunMeta] | None:
+    """(path, run metadata) of the newest complete checkpoint under `run_root`; None before the first."""
+    complete = [s for s, done in list_step_dirs(run_root).items() if done]
+    if not complete:
+        return None
+    import torch.distributed.checkpoint as dcp
+
     path = step_path(run_root, max(complete))
     saved = RunMeta(fingerprint={})
     dcp.load({KEY_META: saved}, storage_reader=FsspecReader(path), no_dist=True)
-    current = fingerprint(cfg, manifest, num_params)
-    diff = [
-        f"{k}: checkpoint {saved.fingerprint.get(k)} vs config {v}"
-        for k, v in current.items()
-        if saved.fingerprint.get(k) != v
-    ]
-    if diff:
+    return path, saved
+
+
+def check_extended(cfg: Config, run_root: str, path: str, saved: RunMeta) -> None:
+    """Raise unless `cfg.train.max_steps` is the run's last recorded extension and the checkpoint at
+    `path` (fingerprint in `saved`) may still continue to it.
+
+    Raises:
+        CheckpointError: one line naming `raytrain-ft extend`, or the reason the schedule refuses.
+    """
+    planned, target = saved.fingerprint["train.max_steps"], cfg.train.max_steps
+    recorded = read_extensions(run_root)
+    if not recorded or recorded[-1]["max_steps"] != target:
+        now = f"; its last extension is to {recorded[-1]['max_steps']}" if recorded else ""
         raise CheckpointError(
-            f"checkpoint {path} belongs to a different model or dataset ({', '.join(diff)}); "
-            "use the original settings or a new run.name"
+            f"checkpoint {path} was planned for train.max_steps={planned} but the config says {target}{now}; to train "
+            f"a wsd run further run `raytrain-ft extend {cfg.run.name} --max-steps {target}` first, else use the "
+            "original max_steps or a new run.name"
         )
+    if reason := extension_refusal(saved.fingerprint, target, step_of(path)):
+        raise CheckpointError(f"run {cfg.run.name} cannot continue to train.max_steps={target}: {reason}")

@@ -4,7 +4,9 @@
 `RunLogger`) records each step in the run's timeline (`raytrain_ft.timeline`: `loss`, `lr`,
 `grad_norm`, `tokens_per_s`, `tokens_per_s_per_device`, `mfu` on GPU, `step_time_s`, `epoch`,
 `checkpoint_stall_s`), the attempt's `first_step` event with its recovery tables, and each skipped
-step (`skipped_steps` metric, `skipped_step` event). Every rank logs its skips.
+step (`skipped_steps` metric, `skipped_step` event), and every `PROGRESS_EVERY` steps logs a
+progress line (`progress_line`: step / max_steps, loss, tokens/s, ETA) that Ray streams to the
+driver. Every rank logs its skips.
 
 Step time (seconds) runs from `before_step` to `after_optimizer_step`: batch read, forward/backward,
 clip, guard, optimizer (checkpoint stalls included; the save and the guards' checks after the
@@ -14,8 +16,10 @@ update are not). MFU = FLOPs per token x tokens/s / (peak FLOP/s per device x wo
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +35,27 @@ if TYPE_CHECKING:
     from raytrain_ft.tracking import RunLogger
 
 log = logging.getLogger(__name__)
+
+
+PROGRESS_EVERY = 5  # rank 0 logs a progress line every this many steps (and at an attempt's first step)
+ETA_WINDOW = 20  # steps whose wall time the ETA extrapolates
+
+
+def eta_seconds(ended: list[float], step_time_s: float, remaining: int) -> float:
+    """Seconds until `remaining` more steps are done, at the mean wall time per step between the
+    step ends in `ended` (seconds, oldest first: saves, guard checks and logging included); with
+    fewer than two, at `step_time_s`."""
+    per_step = (ended[-1] - ended[0]) / (len(ended) - 1) if len(ended) > 1 else step_time_s
+    return remaining * per_step
+
+
+def progress_line(step: int, max_steps: int, loss: float, grad_norm: float, tokens_per_s: float, eta_s: float) -> str:
+    """`step 12/30 (40%) loss 4.1234 grad_norm 0.523 5120 tokens/s ETA 0:01:05` (ETA as h:mm:ss)."""
+    eta = datetime.timedelta(seconds=round(eta_s))
+    return (
+        f"step {step}/{max_steps} ({100 * step // max_steps}%) loss {loss:.4f} grad_norm {grad_norm:.3f} "
+        f"{tokens_per_s:.0f} tokens/s ETA {eta}"
+    )
 
 
 class StepMetrics(StepHook):
@@ -52,6 +77,7 @@ class StepMetrics(StepHook):
         self.max_steps, self.plan, self.seq_len = cfg.train.max_steps, plan, seq_len
         self.scheduler, self.position, self.guard, self.logger, self.rank = scheduler, position, guard, logger, rank
         self.first_step, self.first_batch_at, self.started = first_step, 0.0, 0.0
+        self.ended: deque[float] = deque(maxlen=ETA_WINDOW + 1)  # perf_counter at the end of the latest steps
         self.flops_per_token = flops_per_token(model, seq_len)
         self.peak_flops = peak_flops_per_device(cfg.scaling) if torch.cuda.is_available() else 0.0  # no MFU on CPU
 
@@ -92,15 +118,10 @@ class StepMetrics(StepHook):
         if r.step == self.first_step:
             self.logger.event("first_step", step=r.step, first_batch_at=self.first_batch_at)
             self.logger.write_recovery_tables()
-        if r.step % 5 == 0 or r.step == self.first_step:
-            log.info(
-                "step %d/%d loss %.4f grad_norm %.3f %.0f tokens/s",
-                r.step,
-                self.max_steps,
-                r.loss,
-                r.grad_norm,
-                tokens_per_s,
-            )
+        self.ended.append(time.perf_counter())
+        if r.step % PROGRESS_EVERY == 0 or r.step == self.first_step:
+            eta_s = eta_seconds(list(self.ended), step_time, self.max_steps - r.step)
+            log.info(progress_line(r.step, self.max_steps, r.loss, r.grad_norm, tokens_per_s, eta_s))
 
     def record_skip(self, r: StepResult) -> None:
         log.warning("rank %d: skipped step %d: grad_norm %s vs median %s", self.rank, r.step, r.grad_norm, r.median)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import pickle
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -154,19 +154,28 @@ def seed_rngs(seed: int, rank: int) -> None:
     torch.manual_seed(seed * 1000 + rank)
 
 
+# What a checkpoint written before `train.lr_schedule` existed planned: its run still resumes.
+PRE_SCHEDULE_FINGERPRINT = {"train.lr_schedule": "cosine", "train.decay_steps": 0}
+
+
 @dataclass
 class RunMeta:
-    """What must match between a checkpoint and the run loading it, plus the MLflow run id."""
+    """What must match between a checkpoint and the run loading it, plus the MLflow run id and the
+    fingerprint's history: one `{"at_step", "from_max_steps", "max_steps"}` per extension of the run
+    (`raytrain_ft.schedule.extension_refusal`), oldest first."""
 
     fingerprint: dict
     mlflow_run_id: str = ""
+    history: list[dict] = field(default_factory=list)
 
     def state_dict(self) -> dict:
-        return {"json": json.dumps({"fingerprint": self.fingerprint, "mlflow_run_id": self.mlflow_run_id})}
+        meta = {"fingerprint": self.fingerprint, "mlflow_run_id": self.mlflow_run_id, "history": self.history}
+        return {"json": json.dumps(meta)}
 
     def load_state_dict(self, state: dict) -> None:
         d = json.loads(state["json"])
-        self.fingerprint, self.mlflow_run_id = d["fingerprint"], d["mlflow_run_id"]
+        self.fingerprint = {**PRE_SCHEDULE_FINGERPRINT, **d["fingerprint"]}
+        self.mlflow_run_id, self.history = d["mlflow_run_id"], d.get("history", [])
 
 
 class TrainState:

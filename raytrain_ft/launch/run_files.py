@@ -11,7 +11,6 @@ import os
 import time
 
 import fsspec
-import ray
 
 COMMIT_ACK_FILE = "last_commit_ack"
 
@@ -24,6 +23,8 @@ def write_worker_record(run_root: str, rank: int) -> None:
     """Write `<run folder>/workers/rank<r>.json` (this process's pid, node IP, start time in unix
     seconds), once per attempt: which process to `py-spy dump` when a rank misbehaves, and which one
     a chaos test or `benchmarks/goodput.py` kills."""
+    import ray  # the run folder's other files are read without Ray (`raytrain-ft check`)
+
     record = {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "started_at": time.time()}
     with fsspec.open(_record_path(run_root, rank), "w", auto_mkdir=True) as f:
         json.dump(record, f)
@@ -62,3 +63,27 @@ def read_commit_ack(run_root: str) -> str | None:
             return f.read()
     except OSError:  # not written yet, or (object stores: s3fs FileExpired) replaced while being read
         return None
+
+
+EXTENSIONS_FILE = "extensions.json"
+
+
+def _extensions_path(run_root: str) -> str:
+    return f"{run_root.rstrip('/')}/{EXTENSIONS_FILE}"
+
+
+def read_extensions(run_root: str) -> list[dict]:
+    """The run's extensions (`raytrain-ft extend`), oldest first: `{"time" (unix s), "at_step",
+    "from_max_steps", "max_steps"}` each; [] for a run never extended."""
+    try:
+        with fsspec.open(_extensions_path(run_root), "r") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return []
+
+
+def record_extension(run_root: str, record: dict) -> None:
+    """Append `record` to `<run folder>/extensions.json` (written whole: one writer, the `extend` command)."""
+    records = read_extensions(run_root) + [record]
+    with fsspec.open(_extensions_path(run_root), "w") as f:
+        json.dump(records, f, indent=1)

@@ -12,14 +12,17 @@ import ray
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from raytrain_ft.checkpoint import step_of
 from raytrain_ft.config import Config, to_dict
-from raytrain_ft.errors import UserError, find_user_error, raise_if_ended
+from raytrain_ft.errors import CheckpointError, UserError, find_user_error, raise_if_ended
 from raytrain_ft.launch.callbacks import RunRecorder, describe
+from raytrain_ft.launch.run_files import record_extension
 from raytrain_ft.launch.tracking_actor import close, start_tracking_actor
 from raytrain_ft.launch.tracking_server import lasting_path, tracking_store
 from raytrain_ft.launch.worker import train_func
-from raytrain_ft.preflight import problems
+from raytrain_ft.preflight import newest_checkpoint, problems
 from raytrain_ft.recovery import failures, root_first
+from raytrain_ft.schedule import extension_refusal
 from raytrain_ft.tracking import RunLogger, flatten, resolve_uri, start_or_resume_run
 
 log = logging.getLogger(__name__)
@@ -73,6 +76,37 @@ def preflight(cfg: Config) -> None:
     found = problems(cfg, ray.cluster_resources())
     if found:
         raise found[0]
+
+
+def extend(run_root: str, max_steps: int, logger: RunLogger) -> dict:
+    """Record that the run in `run_root` trains on to `max_steps`: in `<run folder>/extensions.json`
+    (what the next submission's preflight checks), as an `extended` event and the `max_steps` tag of
+    its MLflow run (`logger`); the resumed run adds it to its checkpoints' fingerprint history
+    (`RunMeta.history`). Returns the record (`run_files.read_extensions`).
+
+    Raises:
+        CheckpointError: no complete checkpoint yet, or the schedule refuses (one line with the reason).
+    """
+    newest = newest_checkpoint(run_root)
+    if newest is None:
+        raise CheckpointError(
+            f"{run_root} holds no complete checkpoint, so nothing trained is kept: submit it with the new "
+            "train.max_steps instead"
+        )
+    path, saved = newest
+    step = step_of(path)
+    if reason := extension_refusal(saved.fingerprint, max_steps, step):
+        raise CheckpointError(f"cannot extend {run_root} to train.max_steps={max_steps}: {reason}")
+    record = {
+        "time": time.time(),
+        "at_step": step,
+        "from_max_steps": saved.fingerprint["train.max_steps"],
+        "max_steps": max_steps,
+    }
+    record_extension(run_root, record)
+    logger.event("extended", **record)
+    logger.tags({"max_steps": max_steps})
+    return record
 
 
 MAX_LINE = 300
