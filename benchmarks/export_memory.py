@@ -3,8 +3,10 @@
 Writes a checkpoint of a model preset with random fp32 weights through DCP (one process, no process
 group: the layout a one-rank run writes; a sharded run's only adds chunks per tensor, which the bound
 covers), a dataset folder holding only what export reads (`manifest.json`, `tokenizer.json`), then
-exports it in a fresh process. The peak is that process's `ru_maxrss` after the export minus before
-it (torch, transformers, safetensors and huggingface_hub already imported).
+exports it in a fresh process. The peak is that process's high-water RSS during the export (`VmHWM`,
+reset just before it through `/proc/self/clear_refs`) minus its RSS just before (torch, transformers,
+safetensors and huggingface_hub already imported; importing them peaks at ~0.9 GB here, above the
+export itself, so `ru_maxrss` would show nothing).
 
     PYTHONPATH=. python benchmarks/export_memory.py --preset 1b --vocab-size 32000 --max-shard-size 1GB
 """
@@ -29,14 +31,19 @@ DATA_FINGERPRINT = "synthetic"
 
 # run in a fresh process: its peak RSS is the export's alone
 MEASURE = """
-import json, resource, sys
+import json, sys
 import huggingface_hub, safetensors.torch, tokenizers, torch, transformers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 from raytrain_ft.export import export_checkpoint
+def status_bytes(field):
+    line = next(x for x in open("/proc/self/status") if x.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
 checkpoint, out, data, shard = sys.argv[1:]
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the high-water mark (VmHWM) to the current RSS
+before = status_bytes("VmRSS")
 e = export_checkpoint(checkpoint, out, data, max_shard_size=int(shard) if shard.isdigit() else shard)
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+after = status_bytes("VmHWM")
 print(json.dumps({"rss_before_bytes": before, "rss_peak_bytes": after, "bound_bytes": e.bound_bytes,
                   "total_bytes": e.total_bytes, "files": len(e.weight_files)}))
 """

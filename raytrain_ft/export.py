@@ -41,6 +41,9 @@ from raytrain_ft.train_state import KEY_META, KEY_MODEL, KEY_PROGRESS, Pickled, 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # huggingface_hub's default; transformers 5's save_pretrained uses 50GB
 SHARD_PATTERN = "model{suffix}.safetensors"  # huggingface_hub.constants.SAFETENSORS_WEIGHTS_FILE_PATTERN
 INDEX_FILE = "model.safetensors.index.json"  # huggingface_hub.constants.SAFETENSORS_INDEX_FILE
+FIXED_BYTES = (
+    32 * 2**20
+)  # part of the bound that does not grow with the model: metadata, the meta-device model, the tokenizer
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 REGISTER_TASK = "text-generation"
 
@@ -57,7 +60,7 @@ class Export:
         weight_files: the safetensors files, in order.
         total_bytes: bytes of all weights as written.
         bound_bytes: the memory bound of this export (see `export_checkpoint`): its largest weight file
-            plus twice its largest tensor as saved.
+            plus twice its largest tensor as saved, plus `FIXED_BYTES`.
     """
 
     out_dir: str
@@ -156,8 +159,9 @@ def export_checkpoint(
     imported), at most one output file's tensors (`max_shard_size`, or the largest tensor when it is
     larger), plus the one tensor being read in its saved dtype (fp32) and one saved chunk of it (the
     whole tensor under ddp, one rank's part under fsdp) that DCP's reader deserialises before
-    copying it in: largest file + 2 x largest saved tensor, never the whole model unless it fits one
-    file. The embedding and the output layer are the largest tensors (vocab x hidden x 4 bytes: 262 MB
+    copying it in: largest file + 2 x largest saved tensor + `FIXED_BYTES` (32 MiB; the checkpoint's
+    metadata, the model built on the meta device, the tokenizer), never the whole model unless it fits
+    one file. The embedding and the output layer are the largest tensors (vocab x hidden x 4 bytes: 262 MB
     for the `1b` preset at vocab 32000). `benchmarks/export_memory.py` and
     `tests/unit/test_export_memory.py` measure the peak RSS against it.
 
@@ -228,7 +232,13 @@ def export_checkpoint(
     )
     files = list(split.filename_to_tensors)
     return Export(
-        out_dir, checkpoint, step, meta.mlflow_run_id, files, sum(sizes.values()), largest_file + 2 * largest_saved
+        out_dir,
+        checkpoint,
+        step,
+        meta.mlflow_run_id,
+        files,
+        sum(sizes.values()),
+        largest_file + 2 * largest_saved + FIXED_BYTES,
     )
 
 
