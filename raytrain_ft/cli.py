@@ -245,8 +245,8 @@ def _export(args: argparse.Namespace) -> int:
             f"exported {checkpoint} (step {result.step}) to {result.out_dir}: {len(result.weight_files)} weight files"
         )
         if args.register:
-            info = export.register(result, args.register, uri)
-            print(f"registered {args.register} version {info.registered_model_version} (run {result.mlflow_run_id})")
+            version = export.register(result, args.register, uri)
+            print(f"registered {args.register} version {version.version} (run {version.run_id})")
     except UserError as e:
         raise ValueError(str(e)) from None
     return 0

@@ -45,7 +45,6 @@ FIXED_BYTES = (
     32 * 2**20
 )  # part of the bound that does not grow with the model: metadata, the meta-device model, the tokenizer
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-REGISTER_TASK = "text-generation"
 
 
 @dataclass(frozen=True)
@@ -337,36 +336,54 @@ def run_data_path(tracking_uri: str, run_id: str) -> str:
 
 
 def register(export: Export, name: str, tracking_uri: str):
-    """Log the exported folder to the run's MLflow run as a `transformers` model (task
-    text-generation, from the folder: nothing is loaded into memory) and register it as a new version
-    of registered model `name`: MLflow's Models page lists it with a link to the run.
+    """Log the exported folder to the run's MLflow run as a logged model (its files as they are,
+    nothing loaded into memory) and register it as a new version of registered model `name`: MLflow's
+    Models page lists the version with a link to the run, and the run page lists the logged model.
+
+    The folder is logged through MLflow's client (`create_logged_model`, `log_model_artifacts`,
+    `log_outputs`, `create_model_version`), not `mlflow.transformers.log_model`: from a local folder
+    that fails on MLflow 3.17 with transformers 5 (`flavor_config.py` reads `__name__` of the task's
+    pipeline class, which transformers 5 lists as a string), and from a loaded pipeline it would hold
+    the whole model in memory. Load a version with `transformers` from its downloaded artifacts
+    (`mlflow.artifacts.download_artifacts("models:/NAME/VERSION")`).
 
     Returns:
-        the `mlflow.models.model.ModelInfo`; its `registered_model_version` is the new version.
+        the new `mlflow.entities.model_registry.ModelVersion` (`run_id` the training run's,
+        `model_id` the logged model's).
 
     Raises:
         UserError: the checkpoint names no MLflow run, or `tracking_uri` does not have it.
     """
-    import mlflow
-    import mlflow.transformers
+    from mlflow.entities import LoggedModelOutput, LoggedModelStatus
     from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
     from mlflow.tracking import MlflowClient
 
     if not export.mlflow_run_id:
         raise UserError(f"checkpoint {export.checkpoint} names no MLflow run to register the model under")
+    client = MlflowClient(tracking_uri)
     try:
-        MlflowClient(tracking_uri).get_run(export.mlflow_run_id)
+        run = client.get_run(export.mlflow_run_id)
     except MlflowException:
         raise UserError(
             f"MLflow run {export.mlflow_run_id} is not in {tracking_uri}; point --tracking-uri "
             "(or MLFLOW_TRACKING_URI) at the store the run logged to"
         ) from None
-    mlflow.set_tracking_uri(tracking_uri)
-    return mlflow.transformers.log_model(
-        export.out_dir,
+    model = client.create_logged_model(
+        run.info.experiment_id,
         name=f"hf-step-{export.step}",
-        task=REGISTER_TASK,
-        registered_model_name=name,
-        run_id=export.mlflow_run_id,
-        step=export.step,
+        source_run_id=run.info.run_id,
+        tags={"format": "huggingface-transformers", "checkpoint": export.checkpoint},
+        model_type="LlamaForCausalLM",
+    )
+    client.log_model_artifacts(model.model_id, export.out_dir)
+    client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+    client.log_outputs(run.info.run_id, [LoggedModelOutput(model.model_id, step=export.step)])
+    try:
+        client.create_registered_model(name)
+    except MlflowException as e:
+        if e.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
+            raise
+    return client.create_model_version(
+        name, f"models:/{model.model_id}", run_id=run.info.run_id, model_id=model.model_id
     )
