@@ -61,16 +61,18 @@ def synthetic_dataset(folder: str, seq_len: int) -> str:
     return folder
 
 
-def synthetic_checkpoint(folder: str, preset: str, vocab_size: int, seq_len: int, step: int = 1) -> str:
-    """`folder/step-<step>`: a DCP checkpoint of `preset` with random fp32 weights, its `RunMeta` and
-    progress (holds the whole model in memory while writing)."""
+def synthetic_checkpoint(
+    folder: str, preset: str, vocab_size: int, seq_len: int, step: int = 1, mlflow_run_id: str = ""
+) -> str:
+    """`folder/step-<step>`: a DCP checkpoint of `preset` with random fp32 weights, its `RunMeta`
+    (naming `mlflow_run_id`) and progress (holds the whole model in memory while writing)."""
     torch.manual_seed(0)
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in build_model(preset, vocab_size, seq_len, 0.0).state_dict().items()}
     fingerprint = {"model.preset": preset, "vocab_size": vocab_size, "seq_len": seq_len}
     state = {
         KEY_MODEL: {k: torch.randn(s) for k, s in shapes.items()},
-        KEY_META: RunMeta({**fingerprint, "data.fingerprint": DATA_FINGERPRINT}),
+        KEY_META: RunMeta({**fingerprint, "data.fingerprint": DATA_FINGERPRINT}, mlflow_run_id),
         KEY_PROGRESS: Pickled(Progress(step)),
     }
     path = os.path.join(folder, f"step-{step}")

@@ -354,6 +354,7 @@ def register(export: Export, name: str, tracking_uri: str):
     Raises:
         UserError: the checkpoint names no MLflow run, or `tracking_uri` does not have it.
     """
+    import mlflow
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
@@ -384,6 +385,11 @@ def register(export: Export, name: str, tracking_uri: str):
     except MlflowException as e:
         if e.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
             raise
-    return client.create_model_version(
-        name, f"models:/{model.model_id}", run_id=run.info.run_id, model_id=model.model_id
-    )
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(tracking_uri)  # the registry's sqlalchemy store resolves models:/ in the global store
+    try:
+        return client.create_model_version(
+            name, f"models:/{model.model_id}", run_id=run.info.run_id, model_id=model.model_id
+        )
+    finally:
+        mlflow.set_tracking_uri(previous)

@@ -1,5 +1,6 @@
 """`raytrain-ft export` on checkpoints written by DCP in this process (no Ray, no process group):
-sharded output, dtypes, the memory bound, and one-line errors for bad input."""
+sharded output, dtypes, the memory bound, `--register` into a real MLflow store, and one-line errors
+for bad input. Real training runs: tests/test_export.py."""
 
 from __future__ import annotations
 
@@ -8,14 +9,18 @@ import os
 import shutil
 import sys
 
+import mlflow
 import pytest
 import torch
+from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from raytrain_ft.checkpoint import load_model_state_dict
 from raytrain_ft.cli import main
 from raytrain_ft.errors import CheckpointError, DataError, UserError
 from raytrain_ft.export import INDEX_FILE, export_checkpoint, read_meta
+from raytrain_ft.tracking import start_or_resume_run
 from raytrain_ft.train_state import KEY_META, KEY_MODEL, KEY_PROGRESS, Pickled, Progress
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
@@ -143,3 +148,36 @@ def test_cli_finds_a_run_by_name_and_refuses_a_missing_step_in_one_line(tiny, tm
     assert main([*args, "--out", str(tmp_path / "b")]) == 0
     assert "(step 7)" in capsys.readouterr().out
     assert os.path.exists(tmp_path / "b" / "model.safetensors")
+
+
+def test_register_logs_the_export_to_the_run_and_registers_a_version_that_points_at_it(tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    storage, data = tmp_path / "runs", synthetic_dataset(str(tmp_path / "data"), 64)
+    run_id = start_or_resume_run(uri, "export", str(storage / "lm"), "lm", {"data.path": data})
+    MlflowClient(uri).set_terminated(run_id)
+    synthetic_checkpoint(str(storage / "lm"), "tiny", 512, 64, step=12, mlflow_run_id=run_id)
+    out = tmp_path / "hf"
+    args = ["export", "lm", "--storage-path", str(storage), "--out", str(out), "--tracking-uri", uri]
+    assert main([*args, "--register", "tiny-lm"]) == 0  # the dataset found through the run's data.path param
+    assert f"registered tiny-lm version 1 (run {run_id})" in capsys.readouterr().out
+
+    client = MlflowClient(uri)
+    (version,) = client.search_model_versions("name='tiny-lm'")
+    assert version.version == 1 and version.run_id == run_id and version.source.startswith("models:/m-")
+    model_id = version.source.removeprefix("models:/")
+    logged = client.get_logged_model(model_id)
+    assert logged.source_run_id == run_id and logged.name == "hf-step-12" and logged.status == "READY"
+    run = client.get_run(run_id)
+    assert [(m.model_id, m.step) for m in run.outputs.model_outputs] == [(model_id, 12)]
+    assert run.info.status == "FINISHED"  # registering does not touch the run's status
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)  # models:/NAME/VERSION resolves the logged model in the default store
+    try:
+        files = mlflow.artifacts.download_artifacts("models:/tiny-lm/1")
+    finally:
+        mlflow.set_tracking_uri(previous)
+    registered = AutoModelForCausalLM.from_pretrained(files).state_dict()
+    exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert registered.keys() == exported.keys() and all(torch.equal(registered[k], exported[k]) for k in exported)
+    assert main([*args[:-4], "--out", str(tmp_path / "again"), "--tracking-uri", uri, "--register", "tiny-lm"]) == 0
+    assert [v.version for v in client.search_model_versions("name='tiny-lm'")] == [2, 1]  # a second export: v2
