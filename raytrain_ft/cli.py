@@ -6,6 +6,7 @@
     raytrain-ft check --config configs/gpu-7b.yaml [key=value ...] [--address RAY_ADDRESS]
     raytrain-ft extend RUN_NAME_OR_ID --max-steps N [--tracking-uri ...]
     raytrain-ft runs [--tracking-uri ...]
+    raytrain-ft export RUN [--step N] --out DIR [--data PATH] [--register NAME]
 
 Errors in the input print one `error: ...` line on stderr and exit with status 2.
 """
@@ -397,6 +398,59 @@ def _add_runs(subparsers) -> None:
     p.set_defaults(func=_runs)
 
 
+def _export(args: argparse.Namespace) -> int:
+    """A checkpoint as a Hugging Face model folder, optionally registered in MLflow (see `raytrain_ft.export`)."""
+    from raytrain_ft import export
+    from raytrain_ft.errors import UserError
+    from raytrain_ft.tracking import resolve_uri
+
+    uri = resolve_uri(args.tracking_uri)
+    try:
+        checkpoint = export.choose_checkpoint(export.find_run(args.run, args.storage_path), args.step)
+        meta, _, _ = export.read_meta(checkpoint)
+        data = args.data or export.run_data_path(uri, meta.mlflow_run_id)
+        shard = args.max_shard_size or export.DEFAULT_MAX_SHARD_SIZE
+        shard = int(shard) if shard.isdigit() else shard
+        result = export.export_checkpoint(checkpoint, args.out, data, max_shard_size=shard, dtype=args.dtype)
+        print(
+            f"exported {checkpoint} (step {result.step}) to {result.out_dir}: {len(result.weight_files)} weight files"
+        )
+        if args.register:
+            version = export.register(result, args.register, uri)
+            print(f"registered {args.register} version {version.version} (run {version.run_id})")
+    except UserError as e:
+        raise ValueError(str(e)) from None
+    return 0
+
+
+def _add_export(subparsers) -> None:
+    p = subparsers.add_parser(
+        "export",
+        help="write a checkpoint as a Hugging Face model folder (config, safetensors, tokenizer)",
+        description="Convert one complete checkpoint of a run, written under any strategy and world size, into a "
+        "folder `transformers.AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` load. "
+        "Runs on one CPU process with no process group; memory stays within one weight file plus two tensors.",
+    )
+    p.add_argument("run", help="the run folder (<run.storage_path>/<run.name>), or a run name under --storage-path")
+    p.add_argument("--storage-path", default="runs", help="where a run name is looked up (the run's run.storage_path)")
+    p.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest complete one)")
+    p.add_argument("--out", required=True, help="the model folder to write (new or empty)")
+    p.add_argument(
+        "--data",
+        default=None,
+        help="the run's prepared dataset, for its tokenizer (default: the run's data.path in MLflow)",
+    )
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
+    p.add_argument("--max-shard-size", default=None, help="largest weight file, bytes or e.g. 500MB (default 5GB)")
+    p.add_argument("--register", default=None, metavar="NAME", help="log to the run's MLflow run and register as NAME")
+    p.add_argument(
+        "--tracking-uri",
+        default="",
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///$HOME/raytrain-ft/mlflow.db)",
+    )
+    p.set_defaults(func=_export)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raytrain-ft", description="Fault-tolerant LLM pretraining on Ray Train.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -406,6 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_check(subparsers)
     _add_extend(subparsers)
     _add_runs(subparsers)
+    _add_export(subparsers)
     return parser
 
 

@@ -1,0 +1,118 @@
+"""`raytrain-ft export` of real runs (Ray, tiny preset): `transformers` loads the folder and computes
+what the training model computes (`--register`: tests/unit/test_export.py).
+
+Each run trains 10 steps: FSDP at 2 workers, DDP at 1. The training side of each comparison is
+restored by the project's own restore (`Checkpointer.restore`, in a one-rank gloo group); the other
+side is `transformers`' `from_pretrained` alone.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import make_config, run_root
+from raytrain_ft.checkpoint import Checkpointer, step_path
+from raytrain_ft.cli import main
+from raytrain_ft.data.manifest import load_manifest
+from raytrain_ft.launch.trainer import run
+from raytrain_ft.loop import fingerprint
+from raytrain_ft.parallel import build
+from raytrain_ft.train_state import KEY_META, KEY_MODEL, ModelState, RunMeta, TrainState
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+STEPS = 10
+TEXT = '"""JSON (JavaScript Object Notation) <http://json.org> is a subset of\nJavaScript syntax."""\n'
+STRATEGIES = {
+    "fsdp": ["parallel.strategy=fsdp", "scaling.num_workers=2"],
+    "ddp": ["parallel.strategy=ddp", "scaling.num_workers=1"],
+}
+
+
+def trained(tmp_path_factory, dataset, strategy: str):
+    cfg = make_config(
+        tmp_path_factory.mktemp(strategy),
+        dataset,
+        f"run.name={strategy}",
+        f"train.max_steps={STEPS}",
+        *STRATEGIES[strategy],
+    )
+    return cfg, run(cfg)
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory, dataset):
+    return trained(tmp_path_factory, dataset, "fsdp")
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory, dataset):
+    return trained(tmp_path_factory, dataset, "ddp")
+
+
+def restored_model(cfg, step: int) -> torch.nn.Module:
+    """The training model (one rank, ddp) with the checkpoint of `step` loaded by `Checkpointer.restore`."""
+    manifest = load_manifest(cfg.data.path)
+    one_rank = make_config(Path(cfg.run.storage_path).parent, cfg.data.path, f"run.name={cfg.run.name}")
+    par, _ = build(one_rank, manifest.vocab_size, manifest.seq_len, torch.device("cpu"), resuming=True)
+    num_params = sum(p.numel() for p in par.model.parameters())
+    state = TrainState(0)
+    state.add(KEY_MODEL, ModelState(par.model))
+    state.add(KEY_META, RunMeta(fingerprint(cfg, manifest, num_params)))
+    loaded, keys = Checkpointer(run_root(cfg), lambda *_: None).restore(
+        state, [step_path(run_root(cfg), step)], lambda path, reason: pytest.fail(f"{path}: {reason}")
+    )
+    assert loaded == step_path(run_root(cfg), step) and keys == {KEY_MODEL, KEY_META}
+    return par.model.eval()
+
+
+def batch(cfg, rows: int = 4) -> torch.Tensor:
+    """The first `rows` samples of the dataset, inputs only: int64 (rows, seq_len)."""
+    manifest = load_manifest(cfg.data.path)
+    tokens = pq.read_table(os.path.join(cfg.data.path, manifest.shards[0].file)).column("tokens")
+    return torch.tensor(tokens.to_pylist()[:rows], dtype=torch.int64)[:, :-1]
+
+
+def export_args(cfg, out) -> list[str]:
+    """The CLI line: the run by name, the dataset found through the run's MLflow params."""
+    return ["export", cfg.run.name, "--storage-path", cfg.run.storage_path, "--out", str(out)] + [
+        "--tracking-uri",
+        cfg.tracking.uri,
+    ]
+
+
+@pytest.mark.parametrize("which", ["fsdp_run", "ddp_run"])
+@torch.no_grad()
+def test_transformers_loads_the_export_computes_the_training_models_logits_and_samples(
+    which, request, tmp_path, process_group, capsys
+):
+    cfg, _ = request.getfixturevalue(which)
+    out = tmp_path / "hf"
+    assert main(export_args(cfg, out)) == 0
+    assert f"step-{STEPS} (step {STEPS})" in capsys.readouterr().out  # the newest checkpoint by default
+
+    inputs = batch(cfg)
+    ours = restored_model(cfg, STEPS)(input_ids=inputs).logits
+    hf = AutoModelForCausalLM.from_pretrained(out)
+    assert hf.dtype == torch.float32 and not hf.training
+    theirs = hf(input_ids=inputs).logits
+    assert theirs.shape == (4, 32, 512) and torch.equal(theirs, ours)
+
+    manifest = load_manifest(cfg.data.path)
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = tok(TEXT).input_ids
+    assert ids == Tokenizer.from_file(os.path.join(cfg.data.path, "tokenizer.json")).encode(TEXT).ids
+    assert tok.decode(ids) == TEXT and len(ids) > 5
+    assert tok.eos_token_id == tok.bos_token_id == tok.pad_token_id == manifest.eos_token_id
+    assert tok.model_max_length == manifest.seq_len
+
+    sampled = hf.generate(inputs[:1, :8], max_new_tokens=6, do_sample=False)
+    assert sampled.shape == (1, 14) and torch.equal(sampled[0, :8], inputs[0, :8])
+    assert sampled[0, 8] == ours[0, 7].argmax()  # greedy: the training model's most likely next token
