@@ -14,11 +14,18 @@ import torch
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from raytrain_ft.checkpoint import list_step_dirs, step_path
+from raytrain_ft.checkpoint import RAY_RUN_STATE, list_step_dirs, step_path
 from raytrain_ft.config import Config, to_dict
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.position import check_world_sizes
-from raytrain_ft.errors import CheckpointError, ConfigError, UserError, find_user_error, raise_if_ended
+from raytrain_ft.errors import (
+    CheckpointError,
+    ConfigError,
+    CorruptCheckpointError,
+    UserError,
+    find_user_error,
+    raise_if_ended,
+)
 from raytrain_ft.launch.callbacks import RunRecorder, describe
 from raytrain_ft.launch.tracking_actor import close, start_tracking_actor
 from raytrain_ft.launch.tracking_server import history_uri, lasting_path, tracking_store
@@ -99,9 +106,6 @@ def preflight(cfg: Config) -> None:
     check_checkpoint_compatible(cfg, manifest, run_root)
 
 
-RAY_RUN_STATE = "checkpoint_manager_snapshot.json"  # Ray Train's record of the committed checkpoints
-
-
 def check_run_state(run_root: str) -> None:
     """Refuse to start when complete checkpoints exist but Ray Train's record of them is gone.
 
@@ -123,33 +127,44 @@ def check_run_state(run_root: str) -> None:
 
 
 def check_checkpoint_compatible(cfg: Config, manifest, run_root: str) -> None:
-    """Compare the newest complete checkpoint's fingerprint with this config (no workers needed)."""
-    complete = [s for s, done in list_step_dirs(run_root).items() if done]
-    if not complete:
-        return
+    """Compare the newest intact complete checkpoint's fingerprint with this config (no workers needed);
+    corrupt ones are skipped here and recorded by the workers' restore, which falls back past them."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    from raytrain_ft.checkpoint import FsspecReader
+    from raytrain_ft.checkpoint import corruption_of
+    from raytrain_ft.integrity import ChecksummedReader
     from raytrain_ft.train_state import KEY_META
 
+    complete = sorted((s for s, done in list_step_dirs(run_root).items() if done), reverse=True)
+    if not complete:
+        return
     with torch.device("meta"):
         num_params = sum(
             p.numel() for p in build_model(cfg.model.preset, manifest.vocab_size, manifest.seq_len, 0.0).parameters()
         )
-    path = step_path(run_root, max(complete))
-    saved = RunMeta(fingerprint={})
-    dcp.load({KEY_META: saved}, storage_reader=FsspecReader(path), no_dist=True)
     current = fingerprint(cfg, manifest, num_params)
-    diff = [
-        f"{k}: checkpoint {saved.fingerprint.get(k)} vs config {v}"
-        for k, v in current.items()
-        if saved.fingerprint.get(k) != v
-    ]
-    if diff:
-        raise CheckpointError(
-            f"checkpoint {path} belongs to a different model or dataset ({', '.join(diff)}); "
-            "use the original settings or a new run.name"
-        )
+    for step in complete:
+        path, saved = step_path(run_root, step), RunMeta(fingerprint={})
+        reader = ChecksummedReader(path)
+        try:
+            reader.read_metadata()  # checked here: inside dcp.load DCP reports it as a bare AssertionError
+            dcp.load({KEY_META: saved}, storage_reader=reader, no_dist=True)
+        except (CorruptCheckpointError, CheckpointException) as e:
+            if corruption_of(e) is None:
+                raise
+            continue
+        diff = [
+            f"{k}: checkpoint {saved.fingerprint.get(k)} vs config {v}"
+            for k, v in current.items()
+            if saved.fingerprint.get(k) != v
+        ]
+        if diff:
+            raise CheckpointError(
+                f"checkpoint {path} belongs to a different model or dataset ({', '.join(diff)}); "
+                "use the original settings or a new run.name"
+            )
+        return
 
 
 MAX_LINE = 300
