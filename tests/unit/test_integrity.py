@@ -7,7 +7,6 @@ of each item), as a disk or an object store would damage them.
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import threading
 
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from conftest import flip_bit, stored_item
 from raytrain_ft import cli
 from raytrain_ft.checkpoint import Checkpointer, step_path
 from raytrain_ft.data.position import DataPosition
@@ -92,27 +92,6 @@ def saved(tmp_path, gloo):
     return root, states
 
 
-def item(path: str, fqn: str):
-    """(file, offset, length) of the item `fqn` of checkpoint `path`, from its DCP metadata."""
-    with open(f"{path}/.metadata", "rb") as f:
-        meta = pickle.load(f)
-    [info] = [s for index, s in meta.storage_data.items() if index.fqn == fqn]
-    return info.relative_path, info.offset, info.length
-
-
-def flip_bit(path: str, fqn: str) -> None:
-    """Flip one bit in the middle of item `fqn` (or of the file `.metadata`) of checkpoint `path`."""
-    if fqn == ".metadata":
-        name, offset, length = ".metadata", 0, os.path.getsize(f"{path}/.metadata")
-    else:
-        name, offset, length = item(path, fqn)
-    with open(f"{path}/{name}", "r+b") as f:
-        f.seek(offset + length // 2)
-        byte = f.read(1)[0]
-        f.seek(offset + length // 2)
-        f.write(bytes([byte ^ 0x10]))
-
-
 def restore(root: str, run: Run, candidates: list[int]) -> tuple[str, list]:
     corrupt = []
     loaded, _ = Checkpointer(root, lambda step, path: None).restore(
@@ -164,7 +143,7 @@ def test_an_intact_checkpoint_loads_bitwise_and_verifies(saved):
     assert run.position == states[8][1]
     record = json.loads(read(f"{loaded}/{CHECKSUM_FILE}"))
     assert record[".metadata"] == xxhash.xxh3_64_hexdigest(read(f"{loaded}/.metadata"))
-    name, offset, length = item(loaded, "model.0.weight")
+    name, offset, length = stored_item(loaded, "model.0.weight")
     with open(f"{loaded}/{name}", "rb") as f:
         f.seek(offset)
         assert record["items"][name][str(offset)] == [length, xxhash.xxh3_64_hexdigest(f.read(length))]
