@@ -10,8 +10,8 @@ Written by the writer, from the bytes as written, on the async save's write thre
 - all of them go to `<checkpoint>/.checksums` (JSON, `CHECKSUM_FILE`), written by the coordinator
   after `.metadata`; a checkpoint commits only after both (`raytrain_ft.checkpoint`).
 
-Read by `ChecksummedReader`: `.metadata` is verified before it is unpickled, each item's bytes
-before DCP deserialises them. A mismatch, a short read, a missing file or a missing checksum
+Read by `ChecksummedReader`: `.metadata` is verified before it is unpickled, each item's byte
+range (hashed in chunks, `_hash_range`) before DCP reads and deserialises it. A mismatch, a short read, a missing file or a missing checksum
 record raises `CorruptCheckpointError` naming the item; the restore falls back to an older
 checkpoint. `verify_checkpoint(path)` checks a whole checkpoint without a process group (the
 `raytrain-ft verify` command; export tools call it before converting).
@@ -47,6 +47,23 @@ ALGORITHM = "xxh3_64"
 
 def _digest(data) -> str:
     return xxhash.xxh3_64_hexdigest(data)
+
+
+HASH_CHUNK = 8 << 20  # bytes read per call when hashing a stored range
+
+
+def _hash_range(f, offset: int, length: int) -> str | None:
+    """xxh3-64 of `length` bytes of the open file `f` from `offset`, read in `HASH_CHUNK`s into one
+    reused buffer (no allocation the size of the item); None when the file ends first (truncated)."""
+    f.seek(offset)
+    hasher, view, left = xxhash.xxh3_64(), memoryview(bytearray(min(length, HASH_CHUNK))), length
+    while left:
+        n = f.readinto(view[: min(left, len(view))])
+        if not n:
+            return None
+        hasher.update(view[:n])
+        left -= n
+    return hasher.hexdigest()
 
 
 class _HashingStream(io.RawIOBase):
@@ -217,13 +234,11 @@ class ChecksummedReader(FsspecReader):
             raise CorruptCheckpointError(f"{self.checkpoint}: missing file {e.filename or e}") from None
 
     def _slice_file(self, file, sinfo: _StorageInfo):
-        file.seek(sinfo.offset)
-        data = file.read(sinfo.length)
         expected = self._record["items"].get(sinfo.relative_path, {}).get(str(sinfo.offset))
-        if expected is None or expected[0] != sinfo.length or len(data) != sinfo.length or _digest(data) != expected[1]:
+        if expected != [sinfo.length, _hash_range(file, sinfo.offset, sinfo.length)]:
             name = _item_name(self._metadata, sinfo.relative_path, sinfo.offset, sinfo.length)
             raise CorruptCheckpointError(f"{self.checkpoint}: {name} fails its checksum")
-        return io.BytesIO(data)
+        return super()._slice_file(file, sinfo)  # DCP reads the verified range again (page cache when local)
 
 
 class CompleteLoadPlanner(DefaultLoadPlanner):
@@ -273,9 +288,7 @@ def verify_checkpoint(path: str) -> list[str]:
         with f:
             for info in sorted(infos, key=lambda i: i.offset):
                 expected = record["items"].get(relative_path, {}).get(str(info.offset))
-                f.seek(info.offset)
-                data = f.read(info.length)
-                if expected is None or expected[0] != info.length or _digest(data) != expected[1]:
+                if expected != [info.length, _hash_range(f, info.offset, info.length)]:
                     name = _item_name(metadata, relative_path, info.offset, info.length)
                     problems.append(f"{path}: {name} fails its checksum")
     problems += [f"{path}: incomplete: {m}" for m in missing_components(metadata.state_dict_metadata)]

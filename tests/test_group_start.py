@@ -21,9 +21,10 @@ import ray.cloudpickle
 from mlflow.tracking import MlflowClient
 from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 
-from conftest import assert_resumed, assert_same_state, events, final_state, make_config
+from conftest import assert_resumed, assert_same_state, final_state, make_config
 from raytrain_ft.launch.trainer import run
-from raytrain_ft.recovery import GROUP_START
+from raytrain_ft.recovery import GROUP_START, failures
+from raytrain_ft.tracking import RunLogger
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 MARKER_ENV = "RAYTRAIN_FT_TEST_KILL_MARKER"  # a file: the kill happened (once per run, across fit() calls)
@@ -55,8 +56,8 @@ def test_a_worker_lost_while_the_group_restarts_is_survived_and_counted(tmp_path
     assert (tmp_path / "killed").exists()
     # the group start killed after the kill at step 7 never reached a step: the next fit() resumed from 5
     assert_resumed(cfg.tracking.uri, run_id, [0, 5])
-    kill, group_start = events(cfg.tracking.uri, run_id, "failure")
-    assert kill["causes"] == {"1": kill["causes"]["1"]} and "killed" in kill["causes"]["1"]
+    (_, kill), (_, group_start) = failures(RunLogger(cfg.tracking.uri, run_id).events())
+    assert "killed" in kill["causes"]["1"]
     assert group_start["source"] == GROUP_START and "ActorDiedError" in group_start["details"][GROUP_START]
     assert MlflowClient(cfg.tracking.uri).get_run(run_id).data.metrics["restarts"] == 2  # both restarts
     assert_same_state(final_state(cfg, 30), reference[2])
