@@ -257,3 +257,48 @@ def test_every_item_carries_a_checksum_written_on_the_save_thread(saved, monkeyp
     ckpt.save(9, run.state)
     assert ckpt.wait() == 9
     assert threads and "MainThread" not in threads
+
+
+def test_checksums_on_an_object_store(tmp_path, gloo, monkeypatch):
+    # the writer's hashing streams and the reader's range hashing through s3fs (a local moto server)
+    import socket
+
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    for k, v in {"AWS_ACCESS_KEY_ID": "t", "AWS_SECRET_ACCESS_KEY": "t", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    s3fs.S3FileSystem.clear_instance_cache()
+    s3 = s3fs.S3FileSystem()
+    s3.makedirs("integrity", exist_ok=True)
+    try:
+        root, run = "s3://integrity/run", Run(seed=0)
+        ckpt = Checkpointer(root, lambda step, path: None)
+        run.train(2)
+        expected = run.tensors()
+        ckpt.save(2, run.state)
+        assert ckpt.wait() == 2
+        assert verify_checkpoint(step_path(root, 2)) == []
+        other = Run(seed=1)
+        assert restore(root, other, [2]) == (step_path(root, 2), [])
+        assert_equal(other.tensors(), expected)
+        name, offset, length = "__0_0.distcp", *stored_offset(s3, "integrity/run/step-2", "model.0.weight")
+        data = bytearray(s3.cat_file(f"integrity/run/step-2/{name}"))
+        data[offset + length // 2] ^= 0x10
+        s3.pipe_file(f"integrity/run/step-2/{name}", bytes(data))
+        [problem] = verify_checkpoint(step_path(root, 2))
+        assert "model.0.weight" in problem
+    finally:
+        server.stop()
+
+
+def stored_offset(s3, path: str, fqn: str) -> tuple[int, int]:
+    meta = pickle.loads(s3.cat_file(f"{path}/.metadata"))
+    [info] = [s for index, s in meta.storage_data.items() if index.fqn == fqn]
+    return info.offset, info.length
