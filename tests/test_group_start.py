@@ -58,6 +58,6 @@ def test_a_worker_lost_while_the_group_restarts_is_survived_and_counted(tmp_path
     assert_resumed(cfg.tracking.uri, run_id, [0, 5])
     (_, kill), (_, group_start) = failures(RunLogger(cfg.tracking.uri, run_id).events())
     assert "killed" in kill["causes"]["1"]
-    assert group_start["source"] == GROUP_START and "ActorDiedError" in group_start["details"][GROUP_START]
+    assert group_start["source"] == GROUP_START and "actor died" in group_start["details"][GROUP_START]
     assert MlflowClient(cfg.tracking.uri).get_run(run_id).data.metrics["restarts"] == 2  # both restarts
     assert_same_state(final_state(cfg, 30), reference[2])
