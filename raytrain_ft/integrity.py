@@ -11,10 +11,10 @@ Written by the writer, from the bytes as written, on the async save's write thre
   after `.metadata`; a checkpoint commits only after both (`raytrain_ft.checkpoint`).
 
 Read by `ChecksummedReader`: `.metadata` is verified before it is unpickled, each item's byte
-range (hashed in chunks, `_hash_range`) before DCP reads and deserialises it. A mismatch, a short read, a missing file or a missing checksum
-record raises `CorruptCheckpointError` naming the item; the restore falls back to an older
-checkpoint. `verify_checkpoint(path)` checks a whole checkpoint without a process group (the
-`raytrain-ft verify` command; export tools call it before converting).
+range (hashed in chunks, `_hash_range`) before DCP reads and deserialises it. A mismatch, a short
+read, a missing file or a missing checksum record raises `CorruptCheckpointError` naming the item;
+the restore falls back to an older checkpoint. `verify_checkpoint(path)` checks a whole checkpoint
+without a process group (the `raytrain-ft verify` command; export tools call it before converting).
 """
 
 from __future__ import annotations

@@ -12,9 +12,8 @@ import fsspec
 import ray
 import torch
 from ray.exceptions import RayActorError
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, ControllerError, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
-from ray.train.v2.api.exceptions import ControllerError
 
 from raytrain_ft.checkpoint import RAY_RUN_STATE, list_step_dirs, step_path
 from raytrain_ft.config import Config, to_dict
