@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 
 from raytrain_ft.data.manifest import MANIFEST, Manifest
 from raytrain_ft.data.prepare import EOS, TOKENIZER_FILE, train_tokenizer
+from raytrain_ft.integrity import ChecksummedWriter
 from raytrain_ft.model import build_model
 from raytrain_ft.train_state import KEY_META, KEY_MODEL, KEY_PROGRESS, Pickled, Progress, RunMeta
 
@@ -76,7 +77,7 @@ def synthetic_checkpoint(
         KEY_PROGRESS: Pickled(Progress(step)),
     }
     path = os.path.join(folder, f"step-{step}")
-    dcp.save(state, checkpoint_id=path, no_dist=True)
+    dcp.save(state, storage_writer=ChecksummedWriter(path), no_dist=True)  # as the training run writes it
     return path
 
 

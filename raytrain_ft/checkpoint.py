@@ -2,7 +2,8 @@
 
 Life of a checkpoint (see docs/fault-tolerance.md):
 
-1. `save(step)`: `dcp.async_save` into `<root>/step-<N>` through an fsspec writer, on a dedicated
+1. `save(step)`: `dcp.async_save` into `<root>/step-<N>` through a checksumming fsspec writer
+   (`raytrain_ft.integrity`: every item and `.metadata` hashed as written, on the write thread), on a dedicated
    gloo group so checkpoint collectives never interleave with training collectives. The snapshot
    (staging) is a copy; `wait_staged()` is called before the next optimizer step, so training
    only stalls if the copy is not finished by then. At most one save is in flight: a new save
@@ -12,14 +13,16 @@ Life of a checkpoint (see docs/fault-tolerance.md):
    "all done" means the folder is complete; only then is it committed through the `commit`
    callback (Ray: `ray.train.report(..., checkpoint=..., NO_UPLOAD)`).
 3. On start, `cleanup()` deletes every `step-*` folder newer than the committed one or without
-   `.metadata` (a save that never completed), and `restore()` loads the committed checkpoint,
-   falling back to older complete ones when a file is corrupt.
+   `.metadata` (a save that never completed), and `restore()` loads the committed checkpoint, every
+   byte verified against its checksum and every component required, falling back to older complete
+   ones when one is corrupt or incomplete (`CorruptCheckpointError`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import shutil
@@ -32,16 +35,16 @@ import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
-from raytrain_ft.errors import CheckpointError, StorageFullError
+from raytrain_ft.errors import CheckpointError, CorruptCheckpointError, StorageFullError
+from raytrain_ft.integrity import METADATA_FILE, ChecksummedReader, ChecksummedWriter, CompleteLoadPlanner
 from raytrain_ft.schedule import extension_refusal
 from raytrain_ft.session import Session
-from raytrain_ft.train_state import KEY_META, KEY_MODEL, RunMeta, TrainState
+from raytrain_ft.train_state import KEY_META, KEY_MODEL, RunMeta, TrainState, missing_components
 
 if TYPE_CHECKING:
     from raytrain_ft.tracking import RunLogger
@@ -49,7 +52,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STEP_PREFIX = "step-"
-METADATA_FILE = ".metadata"
+RAY_RUN_STATE = "checkpoint_manager_snapshot.json"  # Ray Train's record of the committed checkpoints
 
 
 def step_path(root: str, step: int) -> str:
@@ -107,6 +110,19 @@ def list_step_dirs(root: str) -> dict[int, bool]:
     return out
 
 
+def committed_steps(root: str) -> list[int]:
+    """Steps of the committed checkpoints under the run folder `root`, oldest first: those Ray Train's run
+    state lists (`RAY_RUN_STATE`, its `checkpoint_results`), or every complete `step-N` folder of a run
+    without one (`raytrain_ft.local_session`)."""
+    fs, base = fsspec.core.url_to_fs(root)
+    state = f"{base.rstrip('/')}/{RAY_RUN_STATE}"
+    complete = sorted(s for s, done in list_step_dirs(root).items() if done)
+    if not fs.exists(state):
+        return complete
+    names = {r["checkpoint_dir_name"] for r in json.loads(fs.cat_file(state))["checkpoint_results"]}
+    return [s for s in complete if f"{STEP_PREFIX}{s}" in names]
+
+
 def cleanup(root: str, committed_step: int) -> list[int]:
     """Delete folders of saves that never committed; return their steps (rank 0 only)."""
     fs, base = fsspec.core.url_to_fs(root)
@@ -116,7 +132,7 @@ def cleanup(root: str, committed_step: int) -> list[int]:
     return sorted(removed)
 
 
-class _SlowWriter(FsspecWriter):
+class _SlowWriter(ChecksummedWriter):
     """Writer that sleeps `delay_s` seconds before writing, after the folder exists (fault injection:
     `kill_during_save`, `slow_save`)."""
 
@@ -157,7 +173,7 @@ class Checkpointer:
         self.wait()  # waiting for the previous write is a stall too (slow storage shows up here)
         self.check_space(step)
         path = step_path(self.root, step)
-        writer = _SlowWriter(path, write_delay_s) if write_delay_s > 0 else FsspecWriter(path)
+        writer = _SlowWriter(path, write_delay_s) if write_delay_s > 0 else ChecksummedWriter(path)
         response = dcp.async_save(
             state.snapshot(), storage_writer=writer, process_group=self.save_group, async_stager=self.stager
         )
@@ -249,56 +265,67 @@ class Checkpointer:
         self.commit(step, path)
         return step
 
-    def restore(self, state: TrainState, candidates: list[str], on_corrupt: Callable[[str, str], None]) -> str | None:
-        """Load the first loadable checkpoint of `candidates` (newest first) into `state`.
+    def restore(
+        self, state: TrainState, candidates: list[str], on_corrupt: Callable[[str, str], None]
+    ) -> tuple[str | None, set[str]]:
+        """Load the first usable checkpoint of `candidates` (newest first) into `state`.
 
-        A candidate that fails to load (truncated or corrupt file) is reported through
-        `on_corrupt(path, reason)` and the next one is tried.
+        Every byte is verified before use (`raytrain_ft.integrity.ChecksummedReader`) and the
+        checkpoint must hold every component of `state` and every entry of each
+        (`missing_components`, `CompleteLoadPlanner`; a rank an elastic resize added may lack its
+        RNG entry). A candidate that fails either (`CorruptCheckpointError`,
+        raised alike on every rank: DCP gathers a rank's read error to all) is reported through
+        `on_corrupt(path, reason)` and the next one is tried. A candidate may be partly loaded into
+        `state` before its corrupt item is reached; the next candidate then loads every component.
+        Any other error propagates: a bug in the restore must not pass for a fallback.
+
+        Returns:
+            (the path loaded, the state keys it held); (None, set()) when `candidates` is empty.
 
         Raises:
-            CheckpointError: a checkpoint from another model/dataset, or none of the candidates loads.
+            CheckpointError: a checkpoint from another model/dataset, or none of the candidates
+                loads (one line naming each and what is wrong with it).
         """
+        problems = []
         for path in candidates:
             try:
-                self._check_compatible(path, state)
-                loadable, saved = self._loadable(path, state)
-                state.allocate(saved)
-                dcp.load(loadable, storage_reader=FsspecReader(path), process_group=self.save_group)
-                return path, set(loadable)
-            except CheckpointError:
-                raise
-            except (Exception, CheckpointException) as e:  # CheckpointException (per-rank errors) is a BaseException
-                reason = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
-                log.error("checkpoint %s failed to load (%s); falling back to the previous one", path, reason)
+                return path, self._load(path, state)
+            except (CorruptCheckpointError, CheckpointException) as e:  # CheckpointException is a BaseException
+                corrupt = corruption_of(e)
+                if corrupt is None:
+                    raise
+                reason = str(corrupt)
+                log.error("checkpoint %s is unusable (%s); falling back to the previous one", path, reason)
                 on_corrupt(path, reason)
+                problems.append(reason)
         if candidates:
             raise CheckpointError(
-                f"none of the committed checkpoints under {self.root} loads; "
-                "delete the run folder (or pick a new run.name) to start from scratch"
+                f"none of the committed checkpoints under {self.root} loads: {'; '.join(problems)}; "
+                "restore the damaged files from a copy, or delete the run folder (or pick a new run.name) "
+                "to start from scratch"
             )
         return None, set()
 
-    def _loadable(self, path: str, state: TrainState) -> tuple[dict, dict]:
-        """The components present in the checkpoint (a new rank after a resize has no RNG entry) but
-        the run metadata (this config's fingerprint, and the history `_check_compatible` carried over),
-        and the checkpoint's `state_dict_metadata`.
-
-        Raises:
-            CheckpointError: the checkpoint holds no model weights (the model is left
-                uninitialised when a checkpoint will load: `parallel.build(resuming=True)`).
-        """
-        saved = FsspecReader(path).read_metadata().state_dict_metadata
+    def _load(self, path: str, state: TrainState) -> set[str]:
+        """Load checkpoint `path` into `state`; return the component keys loaded."""
+        reader = ChecksummedReader(path)  # reads and checks .metadata once, here, for every load below
+        saved = reader.read_metadata().state_dict_metadata
+        missing = missing_components(saved, state.components)
+        if missing:
+            raise CorruptCheckpointError(f"{path}: incomplete: {', '.join(missing)}")
+        self._check_compatible(reader, path, state)
+        # the run metadata is this config's (its fingerprint, and the history `_check_compatible` carried over)
         loadable = {
             k: c for k, c in state.components.items() if k != KEY_META and any(s.startswith(k + ".") for s in saved)
         }
-        if KEY_MODEL not in loadable:
-            raise CheckpointError(f"checkpoint {path} holds no model weights; delete it or pick a new run.name")
-        return loadable, saved
+        state.allocate(saved)
+        dcp.load(loadable, storage_reader=reader, planner=CompleteLoadPlanner(path), process_group=self.save_group)
+        return set(loadable)
 
-    def _check_compatible(self, path: str, state: TrainState) -> None:
+    def _check_compatible(self, reader: ChecksummedReader, path: str, state: TrainState) -> None:
         current: RunMeta = state.components[KEY_META]
         saved = RunMeta(fingerprint={})
-        dcp.load({KEY_META: saved}, storage_reader=FsspecReader(path), process_group=self.save_group)
+        dcp.load({KEY_META: saved}, storage_reader=reader, process_group=self.save_group)
         diff = {
             k: (saved.fingerprint.get(k), v) for k, v in current.fingerprint.items() if saved.fingerprint.get(k) != v
         }
@@ -318,6 +345,15 @@ class Checkpointer:
                 "use the original settings or a new run.name"
             )
         current.mlflow_run_id = current.mlflow_run_id or saved.mlflow_run_id
+
+
+def corruption_of(e: BaseException) -> CorruptCheckpointError | None:
+    """The `CorruptCheckpointError` behind `e` (DCP wraps a rank's error in `CheckpointException`,
+    keyed by rank); None when any rank failed for another reason."""
+    if isinstance(e, CorruptCheckpointError):
+        return e
+    errors = [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else []
+    return errors[0] if errors and all(isinstance(x, CorruptCheckpointError) for x in errors) else None
 
 
 def restore_latest(
@@ -360,7 +396,9 @@ def peek(checkpoint: str | None, components: dict[str, Stateful]) -> None:
     with contextlib.suppress(Exception, CheckpointException), warnings.catch_warnings():
         # CheckpointException is a BaseException; DCP warns that no_dist means "torch.distributed is disabled"
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(components, storage_reader=FsspecReader(checkpoint), no_dist=True)
+        reader = ChecksummedReader(checkpoint)
+        reader.read_metadata()
+        dcp.load(components, storage_reader=reader, no_dist=True)
 
 
 def load_model_state_dict(checkpoint_dir: str) -> dict[str, torch.Tensor]:
@@ -380,14 +418,12 @@ def load_tensors(checkpoint_dir: str, prefix: str) -> dict[str, torch.Tensor]:
 def _load_prefixed(checkpoint_dir: str, prefix: str) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    try:
-        meta = FsspecReader(checkpoint_dir).read_metadata()
-    except FileNotFoundError:
-        raise CheckpointError(f"{checkpoint_dir} is not a complete checkpoint (no {METADATA_FILE})") from None
+    reader = ChecksummedReader(checkpoint_dir)
+    meta = reader.read_metadata()
     tensors = {
         k: torch.empty(m.size, dtype=m.properties.dtype)
         for k, m in meta.state_dict_metadata.items()
         if k.startswith(prefix + ".") and isinstance(m, TensorStorageMetadata)
     }
-    dcp.load(tensors, storage_reader=FsspecReader(checkpoint_dir), no_dist=True)
+    dcp.load(tensors, storage_reader=reader, no_dist=True)
     return {k[len(prefix) + 1 :]: v for k, v in tensors.items()}

@@ -7,6 +7,7 @@
     raytrain-ft extend RUN_NAME_OR_ID --max-steps N [--tracking-uri ...]
     raytrain-ft runs [--tracking-uri ...]
     raytrain-ft export RUN [--step N] --out DIR [--data PATH] [--register NAME]
+    raytrain-ft verify RUN [--step N] [--storage-path runs]
 
 Errors in the input print one `error: ...` line on stderr and exit with status 2.
 """
@@ -451,6 +452,49 @@ def _add_export(subparsers) -> None:
     p.set_defaults(func=_export)
 
 
+def _verify(args: argparse.Namespace) -> int:
+    """Check the committed checkpoints of a run: checksums of every stored byte and completeness
+    (`raytrain_ft.integrity.verify_checkpoint`); one row each. Exit 1 if any is corrupt."""
+    import fsspec
+
+    from raytrain_ft.checkpoint import committed_steps, step_path
+    from raytrain_ft.integrity import verify_checkpoint
+
+    fs, _ = fsspec.core.url_to_fs(args.run)
+    root = args.run if fs.isdir(args.run) else f"{args.storage_path.rstrip('/')}/{args.run}"
+    steps = committed_steps(root)
+    if args.step is not None:
+        if args.step not in steps:
+            have = ", ".join(map(str, steps)) or "none"
+            raise ValueError(f"no committed checkpoint step-{args.step} in {root} (committed steps: {have})")
+        steps = [args.step]
+    if not steps:
+        raise ValueError(f"no committed checkpoints in {root}; RUN is a run folder, or a run.name under --storage-path")
+    corrupt = 0
+    for step in steps:
+        problems = verify_checkpoint(step_path(root, step))
+        corrupt += bool(problems)
+        print(f"step-{step}  " + ("ok" if not problems else "corrupt: " + "; ".join(problems)))
+    return 1 if corrupt else 0
+
+
+def _add_verify(subparsers) -> None:
+    p = subparsers.add_parser(
+        "verify",
+        help="check a run's committed checkpoints: checksums of every stored byte, every component present",
+        description="Reads every committed checkpoint of a run (no process group, no Ray) and checks the "
+        "checksum of each stored item and of .metadata, and that it holds every component of the train state. "
+        "One row per checkpoint: ok, or corrupt with the damaged items. Exit status 0 if all are ok, "
+        "1 if any is corrupt, 2 on bad input.",
+    )
+    p.add_argument("run", help="the run's folder (run.storage_path/run.name, local or fsspec URL), or its run.name")
+    p.add_argument("--step", type=int, default=None, help="check only the committed checkpoint of this step")
+    p.add_argument(
+        "--storage-path", default="runs", help="where a RUN given by name lives (run.storage_path; default: runs)"
+    )
+    p.set_defaults(func=_verify)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raytrain-ft", description="Fault-tolerant LLM pretraining on Ray Train.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -461,6 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_extend(subparsers)
     _add_runs(subparsers)
     _add_export(subparsers)
+    _add_verify(subparsers)
     return parser
 
 

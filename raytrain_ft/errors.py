@@ -27,6 +27,12 @@ class CheckpointError(UserError):
     """No loadable checkpoint is left, or a checkpoint belongs to another model or dataset."""
 
 
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint that cannot be used as stored: bytes that fail their checksums, a missing file or
+    checksum record, or a component of the train state missing. The restore falls back to an older
+    checkpoint (`raytrain_ft.checkpoint.Checkpointer.restore`); the message names the checkpoint and the item."""
+
+
 class StorageFullError(CheckpointError):
     """A checkpoint does not fit on `run.storage_path`: a restart cannot cure it, so the run ends."""
 

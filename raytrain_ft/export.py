@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from raytrain_ft.checkpoint import METADATA_FILE, list_step_dirs, step_path
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.errors import CheckpointError, DataError, UserError
+from raytrain_ft.integrity import verify_checkpoint
 from raytrain_ft.train_state import KEY_META, KEY_MODEL, KEY_PROGRESS, Pickled, Progress, RunMeta
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # huggingface_hub's default; transformers 5's save_pretrained uses 50GB
@@ -189,8 +190,10 @@ def export_checkpoint(
         )
     config = _hf_config(fp, manifest.eos_token_id, DTYPES[dtype])
     expected = _expected_shapes(config)
-    check_complete(checkpoint, metadata, expected)
-    # MERGE: replace check_complete with raytrain_ft.checkpoint.verify_checkpoint(checkpoint) once it is on main
+    damaged = verify_checkpoint(checkpoint, components=False)  # checksums of every stored byte
+    if damaged:
+        raise CheckpointError(f"checkpoint {checkpoint} is damaged ({damaged[0]}); export an older step (--step)")
+    check_complete(checkpoint, metadata, expected)  # and the model's every weight, shaped as the config says
 
     target = DTYPES[dtype]
     try:

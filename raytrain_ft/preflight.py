@@ -28,11 +28,12 @@ from collections.abc import Callable
 
 import fsspec
 
-from raytrain_ft.checkpoint import FsspecReader, list_step_dirs, step_of, step_path
+from raytrain_ft.checkpoint import RAY_RUN_STATE, corruption_of, list_step_dirs, step_of, step_path
 from raytrain_ft.config import Config
 from raytrain_ft.data.manifest import Manifest, load_manifest
 from raytrain_ft.data.position import check_world_sizes
-from raytrain_ft.errors import CheckpointError, ConfigError, UserError
+from raytrain_ft.errors import CheckpointError, ConfigError, CorruptCheckpointError, UserError
+from raytrain_ft.integrity import ChecksummedReader
 from raytrain_ft.launch.run_files import read_extensions
 from raytrain_ft.loop import check_data_fits, fingerprint
 from raytrain_ft.memory import check_fits
@@ -42,7 +43,6 @@ from raytrain_ft.schedule import extension_refusal
 from raytrain_ft.tracking import resolve_uri
 from raytrain_ft.train_state import KEY_META, RunMeta
 
-RAY_RUN_STATE = "checkpoint_manager_snapshot.json"  # Ray Train's record of the committed checkpoints
 PROBE_TIMEOUT_S = 5.0
 
 
@@ -212,16 +212,24 @@ def check_checkpoint_compatible(cfg: Config, manifest, run_root: str) -> None:
 
 
 def newest_checkpoint(run_root: str) -> tuple[str, RunMeta] | None:
-    """(path, run metadata) of the newest complete checkpoint under `run_root`; None before the first."""
-    complete = [s for s, done in list_step_dirs(run_root).items() if done]
-    if not complete:
-        return None
+    """(path, run metadata) of the newest intact complete checkpoint under `run_root`; None before
+    the first. Corrupt ones (checksums, `raytrain_ft.integrity`) are skipped here: the workers'
+    restore falls back past them and records each."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    path = step_path(run_root, max(complete))
-    saved = RunMeta(fingerprint={})
-    dcp.load({KEY_META: saved}, storage_reader=FsspecReader(path), no_dist=True)
-    return path, saved
+    for step in sorted((s for s, done in list_step_dirs(run_root).items() if done), reverse=True):
+        path, saved = step_path(run_root, step), RunMeta(fingerprint={})
+        reader = ChecksummedReader(path)
+        try:
+            reader.read_metadata()  # checked here: inside dcp.load DCP reports it as a bare AssertionError
+            dcp.load({KEY_META: saved}, storage_reader=reader, no_dist=True)
+        except (CorruptCheckpointError, CheckpointException) as e:
+            if corruption_of(e) is None:
+                raise
+            continue
+        return path, saved
+    return None
 
 
 def check_extended(cfg: Config, run_root: str, path: str, saved: RunMeta) -> None:

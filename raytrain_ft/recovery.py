@@ -22,19 +22,26 @@ RECOVERY_TABLE = "recovery_history.json"
 GUARD_TABLE = "guard_events.json"
 
 
+GROUP_START = "group_start"  # a failure the driver records: a worker lost while Ray Train started the group
 KILLED = "killed (SIGKILL, OOM killer or os._exit: the process died without an exception)"
 CONSEQUENCE = "lost its connection to a failed peer (a consequence)"
 
 
 def root_first(causes: dict[str, str]) -> list[tuple[str, str]]:
-    """(rank, cause) pairs of one failure, root causes first (peers' `CONSEQUENCE`s last), then by rank."""
-    return sorted(causes.items(), key=lambda rc: (rc[1] == CONSEQUENCE, int(rc[0])))
+    """(rank, cause) pairs of one failure, root causes first (peers' `CONSEQUENCE`s last), then by rank
+    (`GROUP_START`, a worker lost while the group started, whose rank is not known: first)."""
+    return sorted(causes.items(), key=lambda rc: (rc[1] == CONSEQUENCE, int(rc[0]) if rc[0].isdigit() else -1))
+
+
+def who(rank: str) -> str:
+    """`rank R`, or the group start for a worker lost while the group started (`GROUP_START`)."""
+    return f"rank {rank}" if rank.isdigit() else "the worker group start"
 
 
 def cause_text(causes: dict[str, str]) -> str:
     """`rank R: cause; ...`, root cause first; peers that only lost their connection are counted, not listed."""
     pairs = root_first(causes)
-    roots = [f"rank {r}: {c}" for r, c in pairs if c != CONSEQUENCE]
+    roots = [f"{who(r)}: {c}" for r, c in pairs if c != CONSEQUENCE]
     peers = [r for r, c in pairs if c == CONSEQUENCE]
     if peers:
         roots.append(f"rank{'s' if len(peers) > 1 else ''} {', '.join(peers)}: {CONSEQUENCE}")
@@ -47,13 +54,14 @@ def _iso(t: float) -> str:
 
 def failures(events: list[dict]) -> list[tuple[int, dict]]:
     """(index, failure) pairs; the controller may report one failure in several calls (one per failed
-    rank) before the next attempt starts: those are merged, keeping the first time and step."""
+    rank) before the next attempt starts: those are merged, keeping the first time and step. A failure
+    the driver recorded (`source: GROUP_START`, a worker lost while the group restarted) is one of its own."""
     merged: list[tuple[int, dict]] = []
     open_failure = False
     for i, e in enumerate(events):
         if e["kind"] == "attempt_start":
             open_failure = False
-        elif e["kind"] == "failure" and open_failure:
+        elif e["kind"] == "failure" and open_failure and e.get("source") != GROUP_START:
             merged[-1][1]["causes"] = {**e["causes"], **merged[-1][1]["causes"]}
         elif e["kind"] == "failure":
             merged.append((i, dict(e)))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import pickle
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,10 +38,64 @@ KEY_ROLLBACKS = "rollbacks"
 KEY_META = "meta"
 KEY_GOODPUT = "goodput"  # rank 0 only: its GoodputLedger
 KEY_RNG_PREFIX = "rng.rank"
+# every component of a run's checkpoint besides one `rng.rank{R}` per rank (the keys `Trainer` adds)
+COMPONENT_KEYS = (
+    KEY_MODEL,
+    KEY_OPTIM,
+    KEY_SCHEDULER,
+    KEY_PROGRESS,
+    KEY_DATA,
+    KEY_GUARDS,
+    KEY_ROLLBACKS,
+    KEY_META,
+    KEY_GOODPUT,
+)
 
 
 def rng_key(rank: int) -> str:
     return f"{KEY_RNG_PREFIX}{rank}"
+
+
+def _component(key: str) -> str:
+    """The component a flattened checkpoint key belongs to: `optim.state.x.exp_avg` -> `optim`,
+    `rng.rank1.pickle` -> `rng.rank1`."""
+    head, _, rest = key.partition(".")
+    return f"{head}.{rest.split('.', 1)[0]}" if key.startswith(KEY_RNG_PREFIX) else head
+
+
+def missing_components(saved: Iterable[str], required: Iterable[str] | None = None) -> list[str]:
+    """What a checkpoint lacks of a run's train state, one phrase per missing piece ([] if complete).
+
+    Args:
+        saved: the checkpoint's flattened keys (its DCP `state_dict_metadata`, e.g.
+            `optim.state.lm_head.weight.exp_avg`).
+        required: the component keys one rank's state holds (`TrainState.components`); None: a whole run's
+            (`COMPONENT_KEYS`, and `rng.rank{R}` of every rank below the highest the checkpoint has).
+
+    The one allowed absence is `rng.rank{R}` of a rank R at or beyond the ranks the checkpoint holds RNG
+    states for: a rank an elastic resize added (it seeds fresh). Beyond whole components, every model
+    tensor needs its optimizer state (`optim.state.<name>.*`): AdamW holds state for every trained
+    parameter once a step ran, and checkpoints are taken after steps.
+    """
+    saved = set(saved)
+    present = {_component(k) for k in saved}
+    ranks = [int(k[len(KEY_RNG_PREFIX) :]) for k in present if k.startswith(KEY_RNG_PREFIX)]
+    if required is None:
+        required = [*COMPONENT_KEYS, *(rng_key(r) for r in range(max(ranks, default=0) + 1))]
+    required = list(required)
+
+    def added_by_resize(key: str) -> bool:
+        return key.startswith(KEY_RNG_PREFIX) and bool(ranks) and int(key[len(KEY_RNG_PREFIX) :]) > max(ranks)
+
+    missing = [f"no {key!r} entries" for key in required if key not in present and not added_by_resize(key)]
+    if KEY_OPTIM in required and KEY_OPTIM in present:
+        model, state = f"{KEY_MODEL}.", f"{KEY_OPTIM}.state."
+        with_state = {k[len(state) :].rsplit(".", 1)[0] for k in saved if k.startswith(state)}
+        lacking = sorted(k[len(model) :] for k in saved if k.startswith(model) and k[len(model) :] not in with_state)
+        if lacking:
+            more = f" (and {len(lacking) - 1} more)" if len(lacking) > 1 else ""
+            missing.append(f"no optimizer state for {lacking[0]!r}{more}")
+    return missing
 
 
 class ModelState(Stateful):

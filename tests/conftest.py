@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import pickle
 import sysconfig
 
 import pytest
@@ -100,6 +101,27 @@ def run_root(cfg) -> str:
 def checkpoint_state(path: str) -> dict[str, torch.Tensor]:
     """Model weights and optimizer tensors (keys `optim.*`) of a checkpoint folder (local or fsspec URL)."""
     return {**load_model_state_dict(path), **{f"optim.{k}": v for k, v in load_tensors(path, "optim").items()}}
+
+
+def stored_item(path: str, fqn: str):
+    """(file, offset, length) of the item `fqn` of checkpoint `path`, from its DCP metadata."""
+    with open(f"{path}/.metadata", "rb") as f:
+        meta = pickle.load(f)
+    [info] = [s for index, s in meta.storage_data.items() if index.fqn == fqn]
+    return info.relative_path, info.offset, info.length
+
+
+def flip_bit(path: str, fqn: str) -> None:
+    """Flip one bit in the middle of item `fqn` (or of the file `.metadata`) of checkpoint `path`."""
+    if fqn == ".metadata":
+        name, offset, length = ".metadata", 0, os.path.getsize(f"{path}/.metadata")
+    else:
+        name, offset, length = stored_item(path, fqn)
+    with open(f"{path}/{name}", "r+b") as f:
+        f.seek(offset + length // 2)
+        byte = f.read(1)[0]
+        f.seek(offset + length // 2)
+        f.write(bytes([byte ^ 0x10]))
 
 
 def final_state(cfg, step: int) -> dict[str, torch.Tensor]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 
 import pytest
@@ -14,15 +13,17 @@ from conftest import (
     assert_same_state,
     events,
     final_state,
+    flip_bit,
     make_config,
     metric_by_step,
     run_root,
     step_dirs,
     uninterrupted_lrs,
 )
-from raytrain_ft.checkpoint import step_path
+from raytrain_ft.checkpoint import committed_steps, step_path
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.errors import CheckpointError
+from raytrain_ft.integrity import verify_checkpoint
 from raytrain_ft.launch.trainer import RunFailed, run
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -67,19 +68,23 @@ def test_kill_during_save_never_loads_the_partial_folder(tmp_path, dataset, refe
     assert events(cfg.tracking.uri, run_id, "corrupt_checkpoint") == []
 
 
-def test_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path, dataset, reference):
+def test_a_flipped_bit_in_the_committed_checkpoint_falls_back_to_the_previous_one(tmp_path, dataset, reference):
+    # bit rot in the largest model tensor of the newest committed checkpoint, after the job died: the
+    # resubmission must not train on it (the flip is placed through the checkpoint's own DCP metadata;
+    # flips in the optimizer, the data position and .metadata: tests/unit/test_integrity.py)
     faults = "faults=[{kind: raise, step: 23, rank: 0}]"
     cfg = make_config(tmp_path, dataset, "train.max_steps=30", "failure.max_failures=0", faults)
     with pytest.raises(RunFailed, match="InjectedFault"):
         run(cfg)
     latest = step_dirs(cfg)[-1]
     assert latest.endswith("step-20")
-    shard = os.path.join(latest, "__0_0.distcp")
-    with open(shard, "r+b") as f:
-        f.truncate(os.path.getsize(shard) // 2)
+    flip_bit(latest, "model.model.embed_tokens.weight")
+    assert [s for s in committed_steps(run_root(cfg)) if verify_checkpoint(step_path(run_root(cfg), s))] == [20]
     cfg = make_config(tmp_path, dataset, "train.max_steps=30", faults)  # resubmit: same run, fault already fired
     run_id = run(cfg)
     assert_resumed(cfg.tracking.uri, run_id, [0, 15])  # the first submission, then the fallback to 15
+    [corrupt] = events(cfg.tracking.uri, run_id, "corrupt_checkpoint")
+    assert corrupt["path"].endswith("step-20") and "model.model.embed_tokens.weight" in corrupt["reason"]
     assert "step-20" in MlflowClient(cfg.tracking.uri).get_run(run_id).data.tags["last_corrupt_checkpoint"]
     assert_same_state(final_state(cfg, 30), reference[2])
     # steps 16-20 ran twice (kept values from the first submission, equal re-run values not logged

@@ -9,19 +9,20 @@ import threading
 import time
 
 import ray
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.exceptions import RayActorError
+from ray.train import CheckpointConfig, ControllerError, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from raytrain_ft.checkpoint import step_of
 from raytrain_ft.config import Config, to_dict
 from raytrain_ft.errors import CheckpointError, UserError, find_user_error, raise_if_ended
-from raytrain_ft.launch.callbacks import RunRecorder, describe
+from raytrain_ft.launch.callbacks import RunRecorder, describe, plain_cause
 from raytrain_ft.launch.run_files import record_extension
 from raytrain_ft.launch.tracking_actor import close, start_tracking_actor
 from raytrain_ft.launch.tracking_server import lasting_path, tracking_store
 from raytrain_ft.launch.worker import train_func
 from raytrain_ft.preflight import newest_checkpoint, problems
-from raytrain_ft.recovery import failures, root_first
+from raytrain_ft.recovery import GROUP_START, failures, root_first, who
 from raytrain_ft.schedule import extension_refusal
 from raytrain_ft.tracking import RunLogger, flatten, resolve_uri, start_or_resume_run
 
@@ -125,7 +126,7 @@ def failure_line(cfg: Config, logger: RunLogger, started: float, fallback: str) 
     history = f"raytrain-ft history {cfg.run.name}" + (f" --tracking-uri {uri}" if uri != resolve_uri("") else "")
     if these:
         rank, cause = root_first(these[-1]["causes"])[0]
-        where = f"rank {rank} after step {these[-1]['last_step']}"
+        where = f"{who(rank)} after step {these[-1]['last_step']}"
     else:
         where, cause = "", fallback
     head = f"run {cfg.run.name} failed after {max(len(these) - 1, 0)}/{cfg.failure.max_failures} restarts: {where}"
@@ -149,12 +150,9 @@ def run(cfg: Config) -> str:
         return _fit(cfg, uri)
 
 
-def _fit(cfg: Config, uri: str) -> str:
-    run_root = os.path.join(cfg.run.storage_path, cfg.run.name)
-    run_id = start_or_resume_run(uri, cfg.tracking.experiment, run_root, cfg.run.name, flatten(to_dict(cfg)))
+def _torch_trainer(cfg: Config, tracking, run_id: str, run_root: str, max_failures: int) -> TorchTrainer:
     lo, hi = cfg.worker_range
-    tracking = start_tracking_actor(uri, run_id)  # rank 0's MLflow client, across every restart
-    trainer = TorchTrainer(
+    return TorchTrainer(
         train_func,
         train_loop_config={"config": to_dict(cfg), "tracking": tracking, "mlflow_run_id": run_id},
         scaling_config=ScalingConfig(
@@ -169,18 +167,60 @@ def _fit(cfg: Config, uri: str) -> str:
         run_config=RunConfig(
             name=cfg.run.name,
             storage_path=cfg.run.storage_path,
-            failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
+            failure_config=FailureConfig(max_failures=max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
             callbacks=[RunRecorder(tracking, run_root)],
         ),
     )
+
+
+def failed_during_group_start(e: BaseException) -> bool:
+    """Whether `fit()` ended on a worker that died while Ray Train started the worker group.
+
+    Ray Train 2.60 retries a controller error only when it wraps `WorkerGroupStartupFailedError`
+    or `WorkerGroupStartupTimeoutError` (`ray/train/v2/_internal/execution/failure_handling/default.py`);
+    a worker actor that dies after the group's setup, while the controller launches the train
+    function (`WorkerGroup._start_impl`), raises `ActorDiedError` there unwrapped, and the failure
+    policy ends the run however many restarts are left."""
+    return isinstance(e, ControllerError) and isinstance(e.controller_failure, RayActorError)
+
+
+def restarts_left(logger: RunLogger, started: float, max_failures: int) -> int:
+    """`failure.max_failures` minus the failures of this submission (since unix time `started`), each of
+    which was (or is about to be) followed by a restart: what the next `fit()` may still use; negative
+    when the limit is used up. Counted from the run's `failure` events, as the failure line and the
+    recovery history count them."""
+    return max_failures - len([f for _, f in failures(logger.events()) if f["time"] >= started])
+
+
+def _fit(cfg: Config, uri: str) -> str:
+    """Fit until the run finishes. A worker lost while Ray Train starts the group
+    (`failed_during_group_start`) is recorded as a failure like any other and, while restarts are
+    left, `fit()` runs again with the same run name: Ray Train resumes from its committed
+    checkpoint, the MLflow run and the tracking actor stay, and the new `fit()` may use only the
+    restarts left (`restarts_left`)."""
+    run_root = os.path.join(cfg.run.storage_path, cfg.run.name)
+    run_id = start_or_resume_run(uri, cfg.tracking.experiment, run_root, cfg.run.name, flatten(to_dict(cfg)))
+    tracking = start_tracking_actor(uri, run_id)  # rank 0's MLflow client, across every restart
     logger = RunLogger(uri, run_id)
     started = time.time()
     main = threading.current_thread() is threading.main_thread()  # signal handlers live in the main thread
     sigterm = _OnSigterm()
     previous = signal.signal(signal.SIGTERM, sigterm) if main else None
     try:
-        trainer.fit()
+        left = cfg.failure.max_failures
+        while True:
+            try:
+                _torch_trainer(cfg, tracking, run_id, run_root, left).fit()
+                break
+            except Exception as e:
+                if sigterm.signalled or not failed_during_group_start(e) or find_user_error(e):
+                    raise
+                _record_group_start_failure(logger, e)
+                left = restarts_left(logger, started, cfg.failure.max_failures)
+                if left < 0:
+                    raise
+                log.warning("a worker died while the worker group started (%s); resuming, %d restarts left", e, left)
     except BaseException as e:
         close(tracking, timeout_s=2.0 if sigterm.signalled else 60.0)  # queued values before the end time
         if sigterm.signalled:  # a terminal status and an end time; a resubmission sets RUNNING again
@@ -202,3 +242,22 @@ def _fit(cfg: Config, uri: str) -> str:
         raise
     logger.finish("FINISHED")
     return run_id
+
+
+def _record_group_start_failure(logger: RunLogger, e: BaseException) -> None:
+    """A `failure` event for a worker lost while the group started, as `RunRecorder` records the
+    others (Ray Train calls no user callback for a controller error). `source: group_start`: never
+    merged into the failure before it (`raytrain_ft.recovery.failures`). Which rank died is not
+    known here."""
+    latest = logger.latest_metrics()
+    cause = f"a worker died while the worker group started ({plain_cause(e.controller_failure)})"
+    logger.tags({"last_failure_cause": cause})
+    logger.event(
+        "failure",
+        source=GROUP_START,
+        causes={GROUP_START: cause},
+        details={GROUP_START: str(e)[:20000]},
+        last_step=int(latest.get("last_step", 0)),
+        step_time_s=latest.get("current_step_time_s", 0.0),
+        world_size=int(latest.get("world_size", 0)),
+    )

@@ -20,6 +20,7 @@ from raytrain_ft.checkpoint import load_model_state_dict
 from raytrain_ft.cli import main
 from raytrain_ft.errors import CheckpointError, DataError, UserError
 from raytrain_ft.export import INDEX_FILE, export_checkpoint, read_meta
+from raytrain_ft.integrity import ChecksummedWriter
 from raytrain_ft.tracking import start_or_resume_run
 from raytrain_ft.train_state import KEY_META, KEY_MODEL, KEY_PROGRESS, Pickled, Progress
 
@@ -103,7 +104,7 @@ def test_a_truncated_checkpoint_file_is_refused_in_one_line_before_anything_is_w
     data_file = next(f for f in os.listdir(damaged) if f.endswith(".distcp"))
     with open(os.path.join(damaged, data_file), "r+b") as f:
         f.truncate(os.path.getsize(os.path.join(damaged, data_file)) // 2)
-    with pytest.raises(CheckpointError, match=rf"is damaged: {data_file} is \d+ bytes, expected at least \d+"):
+    with pytest.raises(CheckpointError, match=rf"is damaged \(.*\({data_file}, bytes \d+-\d+\) fails its checksum\)"):
         export_checkpoint(damaged, str(tmp_path / "hf"), data)
     assert not (tmp_path / "hf").exists()
 
@@ -118,7 +119,7 @@ def test_a_checkpoint_missing_a_weight_is_refused_naming_it(tmp_path):
     meta, step, _ = read_meta(checkpoint)
     shutil.rmtree(checkpoint)
     state = {KEY_MODEL: weights, KEY_META: meta, KEY_PROGRESS: Pickled(Progress(step))}
-    dcp.save(state, checkpoint_id=checkpoint, no_dist=True)
+    dcp.save(state, storage_writer=ChecksummedWriter(checkpoint), no_dist=True)
     with pytest.raises(CheckpointError, match="does not hold this model's weights: missing model.norm.weight;"):
         export_checkpoint(checkpoint, str(tmp_path / "hf"), data)
 

@@ -14,6 +14,7 @@ from mlflow.tracking import MlflowClient
 from conftest import events
 from raytrain_ft.checkpoint import step_path
 from raytrain_ft.cli import main
+from raytrain_ft.integrity import ChecksummedWriter
 from raytrain_ft.launch.run_files import read_extensions
 from raytrain_ft.tracking import start_or_resume_run
 from raytrain_ft.train_state import KEY_META, RunMeta
@@ -32,7 +33,7 @@ def store(tmp_path):
 
 def write_checkpoint(root: str, step: int, fingerprint: dict) -> None:
     """A complete checkpoint folder holding only the run metadata (all `extend` reads)."""
-    dcp.save({KEY_META: RunMeta(fingerprint)}, checkpoint_id=step_path(root, step), no_dist=True)
+    dcp.save({KEY_META: RunMeta(fingerprint)}, storage_writer=ChecksummedWriter(step_path(root, step)), no_dist=True)
 
 
 def test_extend_records_the_new_target_in_the_run_folder_and_mlflow(store, capsys):
