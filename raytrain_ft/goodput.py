@@ -36,16 +36,8 @@ from dataclasses import dataclass, field
 
 from raytrain_ft.hooks import StepHook, StepResult
 
-PARTS = (
-    "validation",
-    "checkpoint_stall",
-    "skipped_steps",
-    "lost_work",
-    "restart_downtime",
-    "restore",
-    "hang",
-    "startup",
-)
+GAP_PARTS = ("checkpoint_stall", "skipped_steps", "lost_work", "restart_downtime", "restore", "hang", "startup")
+PARTS = ("validation", *GAP_PARTS)  # validation is only ever measured inside a step
 
 
 def classify_gap(events: list[dict], start: float, end: float, fresh: bool) -> dict[str, float]:
@@ -61,7 +53,7 @@ def classify_gap(events: list[dict], start: float, end: float, fresh: bool) -> d
     resubmitted after its driver died) has no known end of work: the time since the last boundary
     counts as lost work.
     """
-    parts = dict.fromkeys(PARTS, 0.0)
+    parts = dict.fromkeys(GAP_PARTS, 0.0)
     cursor, mode = start, "startup" if fresh else "lost_work"
 
     def upto(t: float, kind: str) -> None:
