@@ -39,7 +39,9 @@ def test_the_two_splits_hold_disjoint_documents_that_together_are_the_corpus(tmp
         (src / f"part-{k}.jsonl").write_text("".join(json.dumps({"text": docs[i]}) + "\n" for i in part))
     for i in range(50, 60):
         (src / f"doc-{i}.txt").write_text(docs[i])
-    settings = PrepareSettings(seq_len=16, vocab_size=300, rows_per_row_group=4, validation_fraction=0.2)
+    settings = PrepareSettings(
+        seq_len=16, vocab_size=300, rows_per_row_group=4, validation_fraction=0.2, validation_min_docs=1
+    )
     out = tmp_path / "out"
     m = prepare(str(src), str(out), settings).manifest
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
