@@ -1,4 +1,4 @@
-"""Shared by the benchmark scripts: print a result as JSON and as a README table (Markdown), write
+"""Shared by the benchmark scripts: print a result as JSON and as a Markdown table (docs/benchmarks.md), write
 the JSON under benchmarks/results/, and give scratch folders that are deleted at exit."""
 
 from __future__ import annotations

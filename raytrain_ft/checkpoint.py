@@ -1,6 +1,6 @@
 """Async sharded checkpoints with `torch.distributed.checkpoint`, committed only when complete.
 
-Life of a checkpoint (see README "Fault-tolerance guarantees"):
+Life of a checkpoint (see docs/fault-tolerance.md):
 
 1. `save(step)`: `dcp.async_save` into `<root>/step-<N>` through an fsspec writer, on a dedicated
    gloo group so checkpoint collectives never interleave with training collectives. The snapshot

@@ -2,7 +2,7 @@
 
     raytrain-ft plan-interval --mtbf-hours 10000 --gpus 1000 --checkpoint-seconds 300
     raytrain-ft plan-memory --config configs/gpu-7b.yaml [--strategy ddp --micro-batch-size 2 ...]
-    raytrain-ft history RUN_NAME_OR_ID [--tracking-uri sqlite:///mlflow.db]   (or MLFLOW_TRACKING_URI)
+    raytrain-ft history RUN_NAME_OR_ID [--tracking-uri URI]   (or MLFLOW_TRACKING_URI)
     raytrain-ft check --config configs/gpu-7b.yaml [key=value ...] [--address RAY_ADDRESS]
 
 Errors in the input print one `error: ...` line on stderr and exit with status 2.
@@ -222,7 +222,8 @@ def _add_history(subparsers) -> None:
     p.add_argument(
         "--tracking-uri",
         default="",
-        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db)",
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///$HOME/raytrain-ft/mlflow.db, "
+        "where a run without tracking.uri logs)",
     )
     p.set_defaults(func=_history)
 
@@ -241,8 +242,19 @@ def _check(args: argparse.Namespace) -> int:
         return 2
     cluster = None
     address = args.address or os.environ.get("RAY_ADDRESS")
+    if address and address.startswith(("http://", "https://")):
+        address = None  # the dashboard's job-submission address (`ray job submit`), not a GCS address
     if address:  # connect to a running cluster (never start one) for its resources
         import ray
+
+        from raytrain_ft.preflight import check_address
+
+        try:
+            if address != "auto":
+                check_address(address)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
 
         ray.init(address=address, logging_level="ERROR", log_to_driver=False)
         cluster = ray.cluster_resources()
@@ -255,7 +267,7 @@ def _check(args: argparse.Namespace) -> int:
     lo, hi = cfg.worker_range
     g, m = cfg.train.global_batch_size, cfg.train.micro_batch_size
     balance = min(BatchPlan(g, m, w).batch_balance for w in range(lo, hi + 1))
-    resources = "checked" if cluster is not None else "not checked (no --address / RAY_ADDRESS)"
+    resources = "checked" if cluster is not None else "not checked (no Ray cluster address: --address or RAY_ADDRESS)"
     print(
         f"ok: {args.config}: world sizes {lo}-{hi} (lowest batch_balance {balance:.3f}), data, storage and "
         f"tracking checked; cluster resources {resources}"

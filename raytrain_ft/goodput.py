@@ -25,7 +25,7 @@ The ledger is part of the checkpoint (rank 0 only), so after a restore it covers
 up to that checkpoint's snapshot. The time from there to now is classified by `classify_gap` from
 the run's events (`raytrain_ft.recovery`): `failure` (controller), `attempt_start` (with
 `init_started_at`), `hang` (with `stalled_s`) and `rollback` (with `restore_started_at`). This is
-the definition of goodput in the design notes ("productive time / wall time"); its parts add up
+the usual definition of goodput ("productive time / wall time"); its parts add up
 to the wall time by construction, apart from the short tail since the last step.
 """
 

@@ -1,12 +1,12 @@
 """Guards against silent failure. Every decision is identical on every rank.
 
-* `SpikeGuard` (design notes, "skip abnormal batches"): after clipping, a step whose global grad
+* `SpikeGuard` ("skip abnormal batches"): after clipping, a step whose global grad
   norm is non-finite, or above `factor x median(last `window` accepted norms)` once `warmup`
   norms exist, is skipped: gradients zeroed, no optimizer step. The step counter, the LR
   scheduler and the data position still advance (the batch is consumed; the schedule stays a
   function of the step, as Megatron does for skipped iterations). The history is checkpointed.
   After `max_consecutive_skips` skips in a row the loop rolls back (see `loop.rollback`).
-* `rank_spread` (design notes, "cheap silent-error detector"): relative spread
+* `rank_spread` ("a cheap silent-error detector"): relative spread
   `(max - min) / (|mean| + 1e-9)` of each column of the gathered [loss, grad_norm] rows.
 * `replica_checksum`: replicas must hold bitwise-identical weights; the checksum is the int64
   sum of the raw bits of every parameter this rank holds, so any single flipped bit changes it.

@@ -43,7 +43,7 @@ def cluster_mtbf_s(mtbf_hours_per_gpu: float, num_gpus: int) -> float:
     """Cluster MTBF in seconds: the per-GPU MTBF (hours) divided by the number of GPUs.
 
     With independent exponential failures the cluster fails at the sum of the per-GPU rates, so
-    10,000 h per GPU on 1,000 GPUs is one failure every 10 h (36,000 s) (design notes).
+    10,000 h per GPU on 1,000 GPUs is one failure every 10 h (36,000 s).
     """
     _check_positive(mtbf_hours_per_gpu=mtbf_hours_per_gpu, num_gpus=num_gpus)
     return mtbf_hours_per_gpu * SECONDS_PER_HOUR / num_gpus
@@ -80,7 +80,7 @@ def optimal_interval_s(cost_s: float, mtbf_s: float) -> float:
 
     Daly's estimate reduces to Young's for cheap checkpoints (`C / M -> 0`) and stays close to the
     true optimum of the exponential-failure model when they are not, so there is no case where
-    Young's is the better choice. `young_interval_s` is kept as the design notes' formula.
+    Young's is the better choice. `young_interval_s` is kept as the textbook formula (docs/fault-tolerance.md).
     """
     return daly_interval_s(cost_s, mtbf_s)
 

@@ -161,6 +161,12 @@ def forward_backward(par: Parallel, plan: BatchPlan, passes: list[dict], loss_fa
     return loss.item()
 
 
+def rank_mean_loss(plan: BatchPlan, rank: int, weighted: float) -> float:
+    """This rank's mean loss per sequence, from `forward_backward`'s weighted loss: comparable
+    between ranks whose shares differ (the cross-rank spread check), unlike the weighted value."""
+    return weighted / plan.pass_weight(plan.share(rank))
+
+
 def train(cfg: Config, session: Session) -> None:
     """Train until `cfg.train.max_steps`, resuming from the session's latest checkpoint.
 
@@ -266,7 +272,7 @@ class Trainer:
             self.rank,
             self.progress.step,
             self.world_size,
-            self.plan.span(self.rank)[1] - self.plan.span(self.rank)[0],
+            self.plan.share(self.rank),
             self.plan.grad_accum_steps,
             self.plan.batch_balance,
         )
@@ -340,10 +346,11 @@ class Trainer:
         self.hooks.before_step(step)
         passes = next(self.batches)
         self.hooks.after_batch(step, passes)
-        local_loss = forward_backward(self.par, self.plan, passes, self.faults.loss_factor(step), self.device)
+        weighted = forward_backward(self.par, self.plan, passes, self.faults.loss_factor(step), self.device)
+        local_loss = rank_mean_loss(self.plan, self.rank, weighted)  # what the rank check compares
         grad_norm = self.par.clip_grad_norm_(self.cfg.train.grad_clip)
         skip, median = self.guard.decide(grad_norm)
-        totals = torch.tensor([local_loss, float(skip)], dtype=torch.float64)
+        totals = torch.tensor([weighted, float(skip)], dtype=torch.float64)
         dist.all_reduce(totals, group=self.group)  # SUM: global mean loss, and every rank's decision
         if totals[1].item() not in (0, self.world_size):
             raise ReplicaMismatchError(f"step {step}: ranks disagree on skipping (grad norms differ)")

@@ -153,7 +153,9 @@ def plan_config(cfg: Config, vocab_size: int, seq_len: int, world_size: int | No
     """
     strategy = resolve_strategy(cfg.parallel, cfg.scaling.use_gpu)
     world_size = world_size or cfg.worker_range[0]
-    _, shard_size = mesh_shape(strategy, world_size, cfg.parallel.shard_size or cfg.scaling.gpus_per_node)
+    _, shard_size = mesh_shape(
+        strategy, world_size, cfg.parallel.shard_size or min(cfg.scaling.gpus_per_node, world_size)
+    )
     return plan(
         cfg.model.preset,
         vocab_size,

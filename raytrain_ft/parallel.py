@@ -51,7 +51,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raytrain_ft.config import Config, ParallelSection
 from raytrain_ft.errors import ConfigError
-from raytrain_ft.model import build_model
+from raytrain_ft.model import build_model, lm_loss
 
 
 def resolve_strategy(p: ParallelSection, use_gpu: bool) -> str:
@@ -198,7 +198,30 @@ def build(
         module = model
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, fused=True)
     shard_index = rank % shard_size if strategy != "ddp" else 0
-    return Parallel(strategy, module, model, replicas, shard_size, shard_index, mixed), optimizer
+    par = Parallel(strategy, module, model, replicas, shard_size, shard_index, mixed)
+    if strategy == "ddp":
+        settle_buckets(par, seq_len, device)
+    return par, optimizer
+
+
+def settle_buckets(par: Parallel, seq_len: int, device: torch.device) -> None:
+    """One zero-weight forward/backward in eval mode (no dropout: no RNG is drawn), so that DDP
+    rebuilds its gradient buckets in ready order before the attempt's first real step.
+
+    DDP reduces the first iteration in its initial bucket layout (reverse parameter order) and
+    every later one in the layout it rebuilds from the first backward's ready order. An element's
+    position in a bucket decides where the all-reduce's ring starts summing it; with 3 or more
+    ranks float addition is then done in another order. Without this pass the first step of every
+    attempt used the initial layout: a run resumed at step 10 reduced step 11 differently from the
+    uninterrupted run and ended a few ulps apart (tests/test_uneven.py, 3 workers). Costs one
+    forward/backward of one sequence per attempt.
+    """
+    par.model.eval()
+    tokens = torch.zeros((1, seq_len + 1), dtype=torch.int64, device=device)
+    with par.micro_batch(last=True):
+        (lm_loss(par.module, tokens) * 0.0).backward()
+    par.model.zero_grad(set_to_none=True)
+    par.model.train()
 
 
 @torch.no_grad()

@@ -11,7 +11,8 @@ checked by `raytrain_ft.config.load_config` before it is called; here come
 - the memory plan on the configured `scaling.gpu_type` (GPU runs);
 - that `run.storage_path` is reachable and writable (a probe file is written and removed);
 - that the tracking store answers (`GET /health` of an `http(s)://` server; a SQLite file's folder
-  exists and is writable);
+  exists and is writable). A deliberate refusal: the driver opens the run's MLflow run before any
+  worker starts, so a store that does not answer would stop it there anyway, less clearly;
 - the resources of the Ray cluster, when the caller is connected to one (`cluster`);
 - the run folder: Ray's record of its committed checkpoints, and the newest checkpoint's
   fingerprint against this config (a resubmission that changed the model, data or schedule).
@@ -19,7 +20,9 @@ checked by `raytrain_ft.config.load_config` before it is called; here come
 
 from __future__ import annotations
 
+import http.client
 import os
+import socket
 import urllib.request
 from collections.abc import Callable
 
@@ -117,15 +120,32 @@ def check_tracking(uri: str) -> None:
                 if r.status == 200:
                     return
                 reason = f"HTTP {r.status}"
-        except OSError as e:
-            reason = str(getattr(e, "reason", e))
+        except (OSError, http.client.HTTPException, ValueError) as e:  # refused, not HTTP, a malformed URL
+            reason = str(getattr(e, "reason", e)) or type(e).__name__
         raise ConfigError(f"tracking.uri={uri} does not answer ({reason}); start the MLflow server or fix tracking.uri")
     if uri.startswith("sqlite:///"):
-        folder = os.path.dirname(uri.removeprefix("sqlite:///")) or "."
-        if not os.access(folder, os.W_OK):
+        folder = os.path.abspath(os.path.dirname(uri.removeprefix("sqlite:///")) or ".")
+        existing = folder
+        while not os.path.exists(existing):  # MLflow creates a SQLite store's missing folders
+            existing = os.path.dirname(existing)
+        if not (os.path.isdir(existing) and os.access(existing, os.W_OK)):
             raise ConfigError(
-                f"tracking.uri={uri}: folder {folder} is missing or not writable; create it or fix tracking.uri"
+                f"tracking.uri={uri}: folder {folder} cannot be created or written ({existing} is not a writable "
+                "folder); fix tracking.uri or the folder's permissions"
             )
+
+
+def check_address(address: str) -> None:
+    """Raises ConfigError: nothing listens at a Ray cluster's `host:port` (a TCP connect with a
+    timeout, so `ray.init` is never left retrying an address that cannot answer)."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S).close()
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"Ray cluster address {address} does not answer ({e}); give the head's host:port (ray start --head "
+            "prints it) or leave --address and RAY_ADDRESS unset to skip the resources check"
+        ) from None
 
 
 def check_resources(cfg: Config, cluster: dict[str, float]) -> None:

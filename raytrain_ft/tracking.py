@@ -4,9 +4,10 @@ The driver creates the run (or reuses the id stored in `<run folder>/mlflow_run_
 config as params; rank 0 logs step metrics with `MlflowClient.log_batch`, in the background
 (`raytrain_ft.timeline`: one value per step on the kept timeline; a worker must not call
 `mlflow.start_run`, whose exit would mark the run finished); the Ray Train controller callback
-records failures; the driver sets the final status. Default store: `sqlite:///<cwd>/mlflow.db`
-(MLflow 3 refuses the plain file store); view it with
-`mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1`.
+records failures; the driver sets the final status. Default store: `sqlite:///$HOME/raytrain-ft/mlflow.db`
+(`DEFAULT_STORE_DIR`; MLflow 3 refuses the plain file store), the same for the driver however it was
+started and for `raytrain-ft history`; view it with
+`mlflow ui --backend-store-uri sqlite:///$HOME/raytrain-ft/mlflow.db --host 127.0.0.1`.
 """
 
 from __future__ import annotations
@@ -40,10 +41,17 @@ os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}  # MLflow 3 UI: training, not GenAI
 
 
-def resolve_uri(uri: str, default_dir: str = "") -> str:
-    """The tracking URI to use everywhere: `uri`, else `MLFLOW_TRACKING_URI` (MLflow's standard
-    variable), else `sqlite:///<default_dir or cwd>/mlflow.db` (absolute: Ray workers run in other folders)."""
-    return uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath(default_dir or '.')}/mlflow.db"
+# The default store's folder. Not the current folder: under `ray job submit --working-dir .` the driver
+# runs in Ray's temporary copy of it, which Ray deletes, and `raytrain-ft history` runs elsewhere.
+DEFAULT_STORE_DIR = os.path.join("~", "raytrain-ft")
+
+
+def resolve_uri(uri: str) -> str:
+    """The tracking URI to use everywhere, driver and `raytrain-ft history` alike: `uri`, else
+    `MLFLOW_TRACKING_URI` (MLflow's standard variable), else `sqlite:///$HOME/raytrain-ft/mlflow.db`
+    (absolute: Ray workers run in other folders). Creates nothing."""
+    default = f"sqlite:///{os.path.join(os.path.expanduser(DEFAULT_STORE_DIR), 'mlflow.db')}"
+    return uri or os.environ.get("MLFLOW_TRACKING_URI") or default
 
 
 def steps_logged_since(client: MlflowClient, run_id: str, since: float) -> list[tuple[int, float]]:

@@ -11,7 +11,7 @@ restarts the worker group from the last checkpoint.
 The watchdog is a step hook (`raytrain_ft.hooks`): `after_step` beats.
 
 Timeout: `failure.hang_timeout_s`, or when it is 0 the larger of 10 x the median step time so far
-and 300 s (the design notes' rule of thumb: a step is never 10x slower when healthy).
+and 300 s (a rule of thumb: a step is never 10x slower when healthy).
 """
 
 from __future__ import annotations

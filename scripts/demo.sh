@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 source .venv/bin/activate
-export RAY_AUTH_MODE=disabled  # a local, loopback-only head; see README "Ray authentication"
+export RAY_AUTH_MODE=disabled  # a local, loopback-only head; see docs/cluster.md "Ray authentication"
 python jobs/prepare_data.py --output data/stdlib
 RAY_num_workers_soft_limit=16 ray start --head --num-cpus=2 --dashboard-host=127.0.0.1 --disable-usage-stats >/dev/null
 trap 'ray stop >/dev/null 2>&1 || true' EXIT
@@ -30,6 +30,12 @@ if [ "$status" -ne 0 ]; then
   exit "$status"
 fi
 echo
+# The run's page in MLflow's model-training view (MLflow 3's UI opens its GenAI view unless asked)
+RUN_ID="$(sed -n 's/.*MLflow run id \([0-9a-f]\{32\}\).*/\1/p' "$SUBMIT_LOG" | tail -n 1)"
+EXPERIMENT_ID="$(.venv/bin/python -c 'import sys; from mlflow import MlflowClient
+print(MlflowClient(sys.argv[1]).get_run(sys.argv[2]).info.experiment_id)' "sqlite:///$PWD/mlflow.db" "$RUN_ID" 2>/dev/null || true)"
+UI_LINK="http://127.0.0.1:5000/#/experiments"
+if [ -n "$EXPERIMENT_ID" ]; then UI_LINK="$UI_LINK/$EXPERIMENT_ID/runs/$RUN_ID"; fi
 echo "MLflow UI: .venv/bin/mlflow ui --backend-store-uri sqlite:///$PWD/mlflow.db --host 127.0.0.1 --port 5000"
-echo "           then open http://127.0.0.1:5000 (experiment raytrain-ft, run $RUN_NAME)"
+echo "           then open $UI_LINK?workflowType=machine_learning (run $RUN_NAME)"
 echo "Recovery history: .venv/bin/raytrain-ft history $RUN_NAME --tracking-uri sqlite:///$PWD/mlflow.db"

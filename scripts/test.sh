@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-export RAY_AUTH_MODE=disabled  # local test clusters only; see README "Ray authentication"
+export RAY_AUTH_MODE=disabled  # local test clusters only; see docs/cluster.md "Ray authentication"
 .venv/bin/ruff format --check raytrain_ft jobs tests benchmarks
 .venv/bin/ruff check raytrain_ft jobs tests benchmarks
 .venv/bin/python -m pytest "$@"

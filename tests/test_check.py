@@ -72,3 +72,19 @@ def test_check_fails_in_one_line_per_problem(tmp_path, dataset):
     assert lines[2].endswith("); start the MLflow server or fix tracking.uri")
     assert lines[3].startswith(f"error: run.storage_path={blocked}/runs is not writable (")
     assert len(lines) == 4 and not any("Traceback" in line for line in lines)
+
+
+def test_check_ignores_the_job_submission_address(tmp_path, dataset):
+    """`export RAY_ADDRESS=http://127.0.0.1:8265` (the docs' cluster workflow) is the dashboard's
+    address for `ray job`, not one `ray.init` can join: check runs without the resources check."""
+    tiny = os.path.join(REPO, "configs", "tiny.yaml")
+    local = [f"data.path={dataset}", f"run.storage_path={tmp_path}/runs", f"tracking.uri=sqlite:///{tmp_path}/m.db"]
+    r = subprocess.run(
+        [sys.executable, "-m", "raytrain_ft.cli", "check", "--config", tiny, *local],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RAY_ADDRESS": "http://127.0.0.1:8265"},
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("cluster resources not checked (no Ray cluster address: --address or RAY_ADDRESS)")

@@ -23,7 +23,7 @@ from raytrain_ft.interval import (
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COST_S = 300.0  # design notes: a 5-minute checkpoint
+COST_S = 300.0  # a 5-minute checkpoint (docs/fault-tolerance.md)
 MTBF_S = 36_000.0  # 10,000 h per GPU / 1,000 GPUs = 10 h
 WORK_S = 30 * 86_400.0  # a month of useful compute
 SEEDS = range(50)

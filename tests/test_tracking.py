@@ -17,16 +17,7 @@ from raytrain_ft.errors import ConfigError
 from raytrain_ft.launch.callbacks import RunRecorder
 from raytrain_ft.launch.tracking_actor import RemoteRunLogger, close, start_tracking_actor
 from raytrain_ft.launch.tracking_server import lasting_path
-from raytrain_ft.tracking import resolve_uri, start_or_resume_run
-
-
-def test_the_uri_is_the_config_then_mlflow_tracking_uri_then_sqlite_in_the_folder(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert resolve_uri("") == f"sqlite:///{tmp_path}/mlflow.db"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://10.0.0.5:5000")
-    assert resolve_uri("") == "http://10.0.0.5:5000"
-    assert resolve_uri("sqlite:////x/m.db") == "sqlite:////x/m.db"
+from raytrain_ft.tracking import start_or_resume_run
 
 
 def test_history_of_an_unknown_run_is_one_line_naming_the_store(tmp_path, monkeypatch, capsys):
@@ -40,14 +31,6 @@ def test_history_of_an_unknown_run_is_one_line_naming_the_store(tmp_path, monkey
     err = capsys.readouterr().err.strip()
     assert "\n" not in err
     assert err.startswith(f"error: no MLflow run named or with id 'unknown' in {uri}; check the name")
-
-
-def test_history_never_creates_a_store(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert main(["history", "demo"]) == 2
-    assert capsys.readouterr().err.startswith(f"error: no MLflow store at sqlite:///{tmp_path}/mlflow.db; point")
-    assert not os.path.exists(tmp_path / "mlflow.db")
 
 
 def test_a_relative_path_inside_rays_working_dir_copy_is_refused_in_one_line(tmp_path, monkeypatch):
@@ -83,8 +66,9 @@ def test_without_a_uri_every_node_reaches_the_tracking_server(tmp_path):
     assert sorted(p["node"] for p in outcome["reached"]) == sorted(outcome["nodes"])
     # each node's artifact went through the server into the head's folder
     assert all(p["artifact_uri"].startswith("mlflow-artifacts:/") for p in outcome["reached"])
-    assert len(list((tmp_path / "mlartifacts").rglob("probe.txt"))) == 2
-    assert (tmp_path / "mlflow.db").exists()
+    # ... and the store is the default one, in the driver's home folder
+    assert len(list((tmp_path / "raytrain-ft" / "mlartifacts").rglob("probe.txt"))) == 2
+    assert (tmp_path / "raytrain-ft" / "mlflow.db").exists()
 
 
 def test_training_workers_do_not_import_mlflow():

@@ -1,4 +1,4 @@
-"""Deterministic per-epoch sample order: lanes of whole row groups, each read once, O(1) seek.
+"""Deterministic per-epoch sample order: lanes of whole row groups, O(1) seek.
 
 Epoch `e` of a run with `global_batch_size` G and `micro_batch_size` m is a function of
 `(seed, e, G, m)` and the dataset alone, never of the world size:
@@ -8,15 +8,16 @@ Epoch `e` of a run with `global_batch_size` G and `micro_batch_size` m is a func
 - a global batch has `L = G / m` micro-batch slots, one per *lane*. The permuted row groups are
   dealt, whole, each to the lane holding the fewest rows so far (ties: the lowest lane), so a lane
   is a sequence of whole row groups and the lanes' lengths differ by at most one row group;
-- step `s` of the epoch takes rows `[s*m, (s+1)*m)` of every lane: lane `j`'s rows are micro-batch
-  slot `j`, which rank `j % world_size` trains as its accumulation step `j // world_size`
-  (`raytrain_ft.data.position.BatchPlan`).
+- step `s` of the epoch takes rows `[s*m, (s+1)*m)` of every lane: the step's G sequences in lane
+  order, which `raytrain_ft.data.position.BatchPlan` splits into contiguous per-rank spans.
 
 Consequences: every global batch comes from at least `min(L, row groups)` distinct row groups (one
-per lane, more where a lane crosses into its next row group); a row group belongs to one lane, so
-at any world size exactly one rank reads it per epoch (read amplification 1, up to the row group a
-resume starts inside); which rank that is depends on the world size, the set of sample ids of a
-step does not.
+per lane, more where a lane crosses into its next row group); a row group belongs to one lane and
+a rank reads the lanes its span touches, so a row group is read by one rank per epoch when
+every span boundary falls on a lane boundary (W divides G / m), and by the two ranks sharing a
+straddled lane otherwise (when W > G / m, a lane can hold several ranks' spans: up to
+`ceil(m / floor(G / W)) + 1` readers); which rank that is depends on the world size, the set of
+sample ids of a step does not.
 
 Epoch length: `steps_per_epoch = (N - (L - 1) * R_max) // G` for `N` samples and row groups of at
 most `R_max` rows. Dealing to the lightest lane leaves every lane within `R_max` of the heaviest,

@@ -1,9 +1,10 @@
 """Ray Data input that starts at a checkpointed step (Ray Data iterators keep none).
 
 `EpochDatasource` turns the row-group pieces one rank trains (`EpochOrder.pieces` of the rank's
-lanes, `raytrain_ft.data.order`) into read tasks of consecutive pieces: each row group of the epoch
-is read by one rank only. `rank_micro_batches` streams the blocks in order with prefetch and assembles
-them into this rank's micro-batches.
+lanes, `raytrain_ft.data.order`) into read tasks of consecutive pieces: a row group is read only by
+the ranks whose spans its lane holds (one when the world size divides the lanes).
+`rank_micro_batches` streams the blocks in order with prefetch and assembles them into this rank's
+micro-batches.
 """
 
 from __future__ import annotations

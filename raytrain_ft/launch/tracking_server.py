@@ -1,7 +1,9 @@
-"""Where a run tracks to when `tracking.uri` is empty and `MLFLOW_TRACKING_URI` is unset.
+"""Where a run tracks to while it trains, when `tracking.uri` is empty and `MLFLOW_TRACKING_URI` is unset.
 
-- A single-node Ray instance (what `python jobs/pretrain.py` starts): `sqlite:///<cwd>/mlflow.db`,
-  the file every worker on that node opens, as before.
+The store is `sqlite:///$HOME/raytrain-ft/mlflow.db` on the driver's machine (`tracking.resolve_uri`),
+however the job was started, so `raytrain-ft history NAME` on that machine finds the run.
+
+- A single-node Ray instance (what `python jobs/pretrain.py` starts): every worker opens that file.
 - A cluster of several nodes, or a running cluster this job joined (`RAY_ADDRESS`; it may grow):
   a SQLite path is a different or missing file on every other node. The driver, which runs on the
   head, starts `mlflow server` there (SQLite backend in the same file, artifact serving into
@@ -11,9 +13,8 @@
   For a server that outlives jobs (and the UI), run your own and set `tracking.uri`.
 
 Under `ray job submit --working-dir .` the driver's folder is Ray's temporary copy of the working
-directory, deleted when Ray cleans up (a resubmission with changed code even gets a new one): the
-default store then goes to `~/raytrain-ft/` instead, and a relative `run.storage_path` or
-`data.path` is refused (`lasting_path`).
+directory, deleted when Ray cleans up (a resubmission with changed code even gets a new one): a
+relative `run.storage_path` or `data.path` is refused (`lasting_path`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from raytrain_ft.errors import ConfigError, UserError
 from raytrain_ft.tracking import resolve_uri
 
 RAY_WORKING_DIR_MARK = os.sep + os.path.join("runtime_resources", "working_dir_files") + os.sep
-LASTING_HOME = os.path.join("~", "raytrain-ft")
 SERVER_START_TIMEOUT_S = 180.0
 
 
@@ -61,17 +61,12 @@ def lasting_path(path: str, key: str) -> str:
     return os.path.abspath(path)
 
 
-def history_uri(configured: str) -> str:
-    """The tracking URI that holds the run after the job (the embedded server's SQLite file)."""
-    return resolve_uri(configured, os.path.expanduser(LASTING_HOME) if ray_working_dir() else os.getcwd())
-
-
 @contextlib.contextmanager
 def tracking_store(configured: str) -> Iterator[str]:
     """The tracking URI for the driver and every worker while the run trains (see the module docstring)."""
-    uri = history_uri(configured)
+    uri = resolve_uri(configured)
     if configured or os.environ.get("MLFLOW_TRACKING_URI") or not _shared_cluster():
-        yield uri
+        yield uri  # MLflow creates a SQLite store's folder
         return
     default_dir = os.path.dirname(uri[len("sqlite:///") :])
     os.makedirs(default_dir, exist_ok=True)

@@ -16,7 +16,7 @@ from raytrain_ft.config import Config, to_dict
 from raytrain_ft.errors import UserError, find_user_error, raise_if_ended
 from raytrain_ft.launch.callbacks import RunRecorder, describe
 from raytrain_ft.launch.tracking_actor import close, start_tracking_actor
-from raytrain_ft.launch.tracking_server import history_uri, lasting_path, tracking_store
+from raytrain_ft.launch.tracking_server import lasting_path, tracking_store
 from raytrain_ft.launch.worker import train_func
 from raytrain_ft.preflight import problems
 from raytrain_ft.recovery import failures, root_first
@@ -28,11 +28,14 @@ log = logging.getLogger(__name__)
 WORKER_ENV = {
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",  # default 2 s: reports and failures noticed sooner
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",  # worker prints appear once
-    # A failed or timed-out NCCL collective tears the process down instead of hanging; the timeout is
-    # the process group's (TorchConfig(timeout_s=failure.collective_timeout_s)): NCCL_TIMEOUT alone is
-    # not read by PyTorch.
+    # A failed or timed-out NCCL collective aborts its communicators and tears the process down, so
+    # Ray Train sees a dead worker and restarts the group. The timeout is the process group's
+    # (TorchConfig(timeout_s=failure.collective_timeout_s)); PyTorch does not read NCCL_TIMEOUT.
+    # TORCH_NCCL_BLOCKING_WAIT stays unset: it makes every wait() block the host thread (Ray Train
+    # leaves it unset for its overhead too), and this watchdog already turns a stuck collective into an
+    # error. The same setting in cluster.yaml and cluster-gcp.yaml and in docs/cluster.md
+    # (tests/test_docs.py checks that they agree).
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-    "TORCH_NCCL_BLOCKING_WAIT": "1",  # wait() raises on timeout rather than blocking forever
 }
 
 # Ray kills a node's idle worker processes beyond its *available* CPUs after 1 s (ray-project/ray#36766).
@@ -84,7 +87,7 @@ def failure_line(cfg: Config, logger: RunLogger, started: float, fallback: str) 
         these = [f for _, f in failures(logger.events()) if f["time"] >= started]
     except Exception:  # the tracking store is unreachable: say what Ray said
         these = []
-    uri = history_uri(cfg.tracking.uri)
+    uri = resolve_uri(cfg.tracking.uri)  # the store's own URI, not the embedded server's (gone after the job)
     history = f"raytrain-ft history {cfg.run.name}" + (f" --tracking-uri {uri}" if uri != resolve_uri("") else "")
     if these:
         rank, cause = root_first(these[-1]["causes"])[0]

@@ -1,7 +1,7 @@
 """The default tracking store on a 2-node local cluster (`ray.cluster_utils.Cluster`).
 
 Run by tests/test_tracking.py in a subprocess (a Cluster needs a process without another Ray
-instance). Usage: python tracking_cluster.py WORKDIR. With `tracking.uri` empty and no
+instance). Usage: python tracking_cluster.py WORKDIR (also the driver's home folder). With `tracking.uri` empty and no
 `MLFLOW_TRACKING_URI`, `tracking_store` starts `mlflow server`; a task pinned to each node logs a
 run and an artifact through the URI the workers would get. Prints one JSON line.
 """
@@ -34,6 +34,7 @@ def main(workdir: str) -> None:
     cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address, log_to_driver=False)
     os.chdir(workdir)
+    os.environ["HOME"] = workdir  # the default store is $HOME/raytrain-ft/mlflow.db
     try:
         with tracking_store("") as uri:
             nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from raytrain_ft.config import load_config
 from raytrain_ft.data.position import BatchPlan
-from raytrain_ft.loop import forward_backward
+from raytrain_ft.loop import forward_backward, rank_mean_loss
 from raytrain_ft.parallel import build
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -50,6 +50,9 @@ def three_ranks(rank: int, workdir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=3)
     torch.set_num_threads(1)
     out = {strategy: step_gradients(3, rank, strategy) for strategy in ("ddp", "fsdp")}
+    gathered: list = [None] * 3
+    dist.all_gather_object(gathered, identical_sequences(rank))
+    out["identical"] = gathered
     if rank == 0:
         torch.save(out, f"{workdir}/out.pt")
     dist.destroy_process_group()
@@ -70,3 +73,25 @@ def test_one_step_at_an_uneven_world_size_gives_the_single_rank_gradient(process
     for name, g in reference["grads"].items():
         torch.testing.assert_close(got["grads"][name], g, rtol=1e-5, atol=1e-7, msg=name)
     assert got["loss"] == pytest.approx(reference["loss"], rel=1e-6)  # the logged loss is the global mean
+
+
+def identical_sequences(rank: int) -> tuple[int, float, float]:
+    """Every sequence the same: (share, weighted loss, `rank_mean_loss`) of this rank at W=3."""
+    cfg = load_config(os.path.join(REPO, "configs", "tiny.yaml"), ["model.dropout=0.0", f"train.global_batch_size={G}"])
+    par, _ = build(cfg, VOCAB, SEQ, torch.device("cpu"), resuming=False)
+    tokens = torch.randint(0, VOCAB, (1, SEQ + 1), generator=torch.Generator().manual_seed(7)).repeat(G, 1)
+    lanes = [
+        {"tokens": tokens[j * M : (j + 1) * M], "sample_id": torch.arange(j * M, (j + 1) * M)} for j in range(G // M)
+    ]
+    plan = BatchPlan(G, M, 3)
+    weighted = forward_backward(par, plan, plan.passes(rank, [lanes[j] for j in plan.lanes(rank)]), 1.0, "cpu")
+    return plan.share(rank), weighted, rank_mean_loss(plan, rank, weighted)
+
+
+def test_ranks_with_uneven_shares_report_comparable_losses_to_the_rank_check(at_three_ranks):
+    got = at_three_ranks["identical"]
+    assert [share for share, _, _ in got] == [2, 3, 3]
+    weighted = [w for _, w, _ in got]
+    assert max(weighted) == pytest.approx(1.5 * min(weighted))  # what the spread check must not compare
+    means = [m for _, _, m in got]
+    assert max(means) - min(means) < 1e-5 * means[0]  # what it compares: equal
