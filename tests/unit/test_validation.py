@@ -4,7 +4,7 @@ val_loss under FSDP2 at 2 ranks and DDP at 1 rank; validation time is its own go
 Tolerance of the cross-strategy comparison: `rel=1e-6`. The per-sequence losses are the same
 fp32 computations grouped into different passes (FSDP: 1 sequence per pass, 4 + 3 sequences on
 the two ranks, one zero-weight pass; DDP: 2 per pass, 7 on one rank) and summed in float64 in a
-different order; measured difference ~1e-8 relative on the tiny preset.
+different order; measured difference 1.6e-8 relative on the tiny preset (4.19099903 vs 4.19099896).
 """
 
 from __future__ import annotations
