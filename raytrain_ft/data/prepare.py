@@ -37,8 +37,7 @@ shards, same format as without a split: the data order is unchanged); a last pas
 files holding them and packs them into `validation/` the same way. The cost is one extra read of
 the corpus (no tokenization) and of the held-out documents' files. `--validation-fraction 0
 --validation-min-docs 0` prepares no split (and skips the count). Defaults: 0.5 %, at least 16 and
-at most 10,000 documents (held-out loss over 10k documents has a standard error far below the
-differences worth acting on; more only costs time per validation).
+at most 10,000 documents (the cap bounds the split's read and a whole-split validation).
 
 Tokenizer: a given Hugging Face `tokenizer.json` (EOS from `eos_token` or the first of
 `EOS_CANDIDATES` among its special tokens), or a byte-level BPE trained on the first
