@@ -1,7 +1,8 @@
 """Prepare a pretraining dataset on Ray Data: `python jobs/prepare_data.py --input GLOB --output DIR`.
 
 Defaults: the running Python's standard library sources, `data/stdlib`, seq_len 256, a trained
-byte-level BPE of 8192 tokens. Connects to the cluster in `RAY_ADDRESS` (under `ray job submit`),
+byte-level BPE of 8192 tokens, a validation split of 0.5 % of the documents (at least 16, at most
+10,000; `raytrain_ft.data.prepare`). Connects to the cluster in `RAY_ADDRESS` (under `ray job submit`),
 otherwise starts a local Ray instance. Ray Data's progress bars, then one line: documents, tokens,
 samples, shards, tokens dropped, tokens/s. Exit status 2 with a one-line message on bad input.
 """
@@ -30,7 +31,19 @@ def main(argv: list[str] | None = None) -> int:
         "--tokenizer-sample-docs", type=int, default=d.tokenizer_sample_docs, help="documents a BPE trains on"
     )
     p.add_argument("--rows-per-row-group", type=int, default=d.rows_per_row_group, help="samples per row group")
-    p.add_argument("--seed", type=int, default=d.seed, help="document shuffle seed")
+    p.add_argument("--seed", type=int, default=d.seed, help="document shuffle and validation draw seed")
+    p.add_argument(
+        "--validation-fraction",
+        type=float,
+        default=d.validation_fraction,
+        help="fraction of the documents held out as the validation split (0 with --validation-min-docs 0: none)",
+    )
+    p.add_argument(
+        "--validation-min-docs", type=int, default=d.validation_min_docs, help="floor of the split, in documents"
+    )
+    p.add_argument(
+        "--validation-max-docs", type=int, default=d.validation_max_docs, help="cap of the split, in documents"
+    )
     args = p.parse_args(argv)
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -42,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         eos_token=args.eos_token,
         tokenizer_sample_docs=args.tokenizer_sample_docs,
         seed=args.seed,
+        validation_fraction=args.validation_fraction,
+        validation_min_docs=args.validation_min_docs,
+        validation_max_docs=args.validation_max_docs,
     )
     try:
         report = prepare(args.input, args.output, settings)

@@ -130,6 +130,13 @@ class GuardsSection:
 
 
 @dataclass
+class ValidationSection:
+    interval_steps: int = 0  # held-out loss every N steps (val_loss, val_perplexity); 0 = off
+    num_batches: int = 0  # global batches (global_batch_size sequences each) per validation; 0 = the whole split
+    path: str = ""  # dataset folder (jobs/prepare_data.py) whose samples are the validation set; "" = data.path's split
+
+
+@dataclass
 class FaultSpec:
     kind: str = MISSING  # raise | kill | kill_during_save | nan | spike | bitflip | hang | slow | slow_save
     step: int = MISSING  # the (first) step at which the fault fires; once per run
@@ -151,6 +158,7 @@ class Config:
     failure: FailureSection = field(default_factory=FailureSection)
     tracking: TrackingSection = field(default_factory=TrackingSection)
     guards: GuardsSection = field(default_factory=GuardsSection)
+    validation: ValidationSection = field(default_factory=ValidationSection)
     faults: list[FaultSpec] = field(default_factory=list)  # injected faults (raytrain_ft.faults), each once per run
 
     @property
@@ -293,6 +301,9 @@ def _validate(cfg: Config) -> None:
         )
     if cfg.scaling.gpu_type not in GPU_TYPES:
         raise ConfigError(f"config key 'scaling.gpu_type' is {cfg.scaling.gpu_type!r}; valid: {', '.join(GPU_TYPES)}")
+    for key in ("interval_steps", "num_batches"):
+        if getattr(cfg.validation, key) < 0:
+            raise ConfigError(f"config key 'validation.{key}' must be >= 0, got {getattr(cfg.validation, key)}")
     if cfg.checkpoint.interval not in INTERVAL_MODES:
         raise ConfigError(
             f"config key 'checkpoint.interval' is {cfg.checkpoint.interval!r}; valid: {', '.join(INTERVAL_MODES)}"

@@ -4,7 +4,11 @@ Wall time runs from the MLflow run's creation (the first submission) to now. The
 `GoodputLedger` puts every second of it into exactly one bucket, in time order, up to
 `accounted_until` (unix seconds):
 
-* `productive`: steps on the kept timeline whose update was applied, checkpoint stalls excluded;
+* `productive`: steps on the kept timeline whose update was applied, checkpoint stalls and
+  validation excluded;
+* `validation`: held-out validation (`raytrain_ft.validation`) on the kept timeline: not training
+  progress, so not productive, and not a fault either; reported as `badput_validation_s` with the
+  parts below so that every bucket sums to the wall time;
 * badput (`PARTS`):
   - `checkpoint_stall`: training blocked on a checkpoint (snapshot copy, or the previous write);
   - `skipped_steps`: steps whose update the spike guard skipped;
@@ -32,7 +36,8 @@ from dataclasses import dataclass, field
 
 from raytrain_ft.hooks import StepHook, StepResult
 
-PARTS = ("checkpoint_stall", "skipped_steps", "lost_work", "restart_downtime", "restore", "hang", "startup")
+GAP_PARTS = ("checkpoint_stall", "skipped_steps", "lost_work", "restart_downtime", "restore", "hang", "startup")
+PARTS = ("validation", *GAP_PARTS)  # validation is only ever measured inside a step
 
 
 def classify_gap(events: list[dict], start: float, end: float, fresh: bool) -> dict[str, float]:
@@ -48,7 +53,7 @@ def classify_gap(events: list[dict], start: float, end: float, fresh: bool) -> d
     resubmitted after its driver died) has no known end of work: the time since the last boundary
     counts as lost work.
     """
-    parts = dict.fromkeys(PARTS, 0.0)
+    parts = dict.fromkeys(GAP_PARTS, 0.0)
     cursor, mode = start, "startup" if fresh else "lost_work"
 
     def upto(t: float, kind: str) -> None:
@@ -99,16 +104,18 @@ class GoodputLedger:
             self.badput_s[kind] += seconds
         self.accounted_until = max(self.accounted_until, now)
 
-    def add_step(self, now: float, stall_s: float, skipped: bool) -> None:
-        """Account [accounted_until, now] as one step: `stall_s` of checkpoint stall, the rest
-        productive, or skipped if the guard skipped the update."""
+    def add_step(self, now: float, stall_s: float, skipped: bool, validation_s: float = 0.0) -> None:
+        """Account [accounted_until, now] as one step: `stall_s` of checkpoint stall, `validation_s`
+        of validation, the rest productive, or skipped if the guard skipped the update."""
         duration = max(0.0, now - self.accounted_until)
         stall = min(stall_s, duration)
+        validation = min(validation_s, duration - stall)
         self.badput_s["checkpoint_stall"] += stall
+        self.badput_s["validation"] += validation
         if skipped:
-            self.badput_s["skipped_steps"] += duration - stall
+            self.badput_s["skipped_steps"] += duration - stall - validation
         else:
-            self.productive_s += duration - stall
+            self.productive_s += duration - stall - validation
         self.accounted_until = max(self.accounted_until, now)
 
     def add(self, kind: str, now: float) -> None:
@@ -146,4 +153,4 @@ class StepAccount(StepHook):
         self.ledger = ledger
 
     def after_optimizer_step(self, result: StepResult) -> None:
-        self.ledger.add_step(time.time(), result.stall_s, result.skipped)
+        self.ledger.add_step(time.time(), result.stall_s, result.skipped, result.validation_s)

@@ -24,7 +24,7 @@ the loop's back. Hooks that call collectives run on every rank in the same order
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,9 @@ class StepResult:
     `loss`: the global mean loss (float); `grad_norm`: the global L2
     norm before clipping; `skipped`: the spike guard skipped the update; `median`: the guard's
     median grad norm (None during its warm-up); `stall_s`: seconds this step was blocked on a
-    checkpoint (snapshot copy, or the previous write).
+    checkpoint (snapshot copy, or the previous write); `validation`: `val_loss` and
+    `val_perplexity` at a validated step (`raytrain_ft.validation`), else empty; `validation_s`: its
+    seconds (0 without one).
     """
 
     step: int
@@ -43,6 +45,8 @@ class StepResult:
     skipped: bool
     median: float | None
     stall_s: float
+    validation: dict[str, float] = field(default_factory=dict)
+    validation_s: float = 0.0
 
 
 class StepHook:

@@ -5,8 +5,9 @@ builds the model, optimizer, schedule and the checkpointed state, restores, then
 `Trainer.step` once per optimizer step: this rank's share of the global batch, at any world size
 (`data.position.BatchPlan`) -> forward/backward over its `grad_accum_steps` passes -> clip
 (global grad norm) -> spike guard (all ranks agree) -> wait for the checkpoint snapshot ->
-optimizer step or skip -> LR scheduler -> advance the data position -> rank check and replica
-fingerprint at their intervals -> roll back after persistent spikes, else commit/save.
+optimizer step or skip -> LR scheduler -> advance the data position -> held-out validation at its
+interval (`validation`) -> rank check and replica fingerprint at their intervals -> roll back
+after persistent spikes, else commit/save.
 
 The per-step side work runs in step hooks (`raytrain_ft.hooks`), in this order: fault injection
 (`faults`), rank 0's goodput ledger (`goodput.StepAccount`: every second of wall time in one
@@ -63,6 +64,7 @@ from raytrain_ft.train_state import (
     rng_key,
     seed_rngs,
 )
+from raytrain_ft.validation import Validation
 from raytrain_ft.watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
@@ -216,6 +218,9 @@ class Trainer:
         self.checkpointer = Checkpointer(session.run_root, self._commit)
         self.group = self.checkpointer.control_group  # CPU gloo group for guard collectives
         self.checks = RankChecks(cfg.guards, self.par, self.group, self.logger, self.settle)
+        self.validation = Validation(
+            cfg.validation, cfg.data.path, self.manifest, self.plan, self.rank, self.par, self.group, self.device
+        )
         self.audit = DataAudit(session.run_root, self.group, cfg.data.audit, self.plan.max_share)
         self.faults = FaultInjector(
             cfg.faults, self.rank, session.run_root, self.settle, lambda: self.par.local_parameters()[0]
@@ -344,9 +349,10 @@ class Trainer:
         self.scheduler.step()
         self.progress.step = step
         self.position.advance(self.plan.global_batch_size, self.steps_per_epoch)
-        loss = totals[0].item() / self.world_size
+        val = self.validation.maybe_run(step)  # every rank (collectives); empty when not due
+        loss, stall_s = totals[0].item() / self.world_size, self.checkpointer.take_stall_s()
         self.hooks.after_optimizer_step(
-            StepResult(step, loss, grad_norm, skip, median, self.checkpointer.take_stall_s())
+            StepResult(step, loss, grad_norm, skip, median, stall_s, val.metrics, val.seconds)
         )
         self.checks.monitor(step, local_loss, grad_norm)
         if self.guard.consecutive >= self.cfg.guards.spike.max_consecutive_skips:

@@ -3,14 +3,14 @@
 `StepMetrics` is a step hook (`raytrain_ft.hooks`) on every rank; rank 0 (the one with a
 `RunLogger`) records each step in the run's timeline (`raytrain_ft.timeline`: `loss`, `lr`,
 `grad_norm`, `tokens_per_s`, `tokens_per_s_per_device`, `mfu` on GPU, `step_time_s`, `epoch`,
-`checkpoint_stall_s`), the attempt's `first_step` event with its recovery tables, and each skipped
-step (`skipped_steps` metric, `skipped_step` event), and every `PROGRESS_EVERY` steps logs a
-progress line (`progress_line`: step / max_steps, loss, tokens/s, ETA) that Ray streams to the
-driver. Every rank logs its skips.
+`checkpoint_stall_s`, and `val_loss`, `val_perplexity` at a validated step), the attempt's
+`first_step` event with its recovery tables, and each skipped step (`skipped_steps` metric,
+`skipped_step` event), and every `PROGRESS_EVERY` steps logs a progress line (`progress_line`:
+step / max_steps, loss, tokens/s, ETA) that Ray streams to the driver. Every rank logs its skips.
 
 Step time (seconds) runs from `before_step` to `after_optimizer_step`: batch read, forward/backward,
-clip, guard, optimizer (checkpoint stalls included; the save and the guards' checks after the
-update are not). MFU = FLOPs per token x tokens/s / (peak FLOP/s per device x world_size)
+clip, guard, optimizer (checkpoint stalls included; a validation, the save and the guards' checks
+after the update are not). MFU = FLOPs per token x tokens/s / (peak FLOP/s per device x world_size)
 (`raytrain_ft.model.flops_per_token`: PaLM, Appendix B; peak from `raytrain_ft.hardware`).
 """
 
@@ -89,7 +89,7 @@ class StepMetrics(StepHook):
             self.first_batch_at = time.time()  # a recovery phase (`raytrain_ft.recovery`)
 
     def after_optimizer_step(self, r: StepResult) -> None:
-        self.log_step(r, time.perf_counter() - self.started)
+        self.log_step(r, time.perf_counter() - self.started - r.validation_s)
         if r.skipped:
             self.record_skip(r)
 
@@ -111,6 +111,7 @@ class StepMetrics(StepHook):
                 "step_time_s": step_time,
                 "epoch": self.position.epoch,
                 "checkpoint_stall_s": r.stall_s,
+                **r.validation,
             },
             current={"last_step": r.step, "current_step_time_s": step_time},
             at=time.time(),
@@ -122,6 +123,8 @@ class StepMetrics(StepHook):
         if r.step % PROGRESS_EVERY == 0 or r.step == self.first_step:
             eta_s = eta_seconds(list(self.ended), step_time, self.max_steps - r.step)
             log.info(progress_line(r.step, self.max_steps, r.loss, r.grad_norm, tokens_per_s, eta_s))
+        if r.validation:
+            log.info("step %d/%d val_loss %.4f", r.step, self.max_steps, r.validation["val_loss"])
 
     def record_skip(self, r: StepResult) -> None:
         log.warning("rank %d: skipped step %d: grad_norm %s vs median %s", self.rank, r.step, r.grad_norm, r.median)

@@ -37,9 +37,13 @@ def dataset(tmp_path_factory, ray_local) -> str:
     """599 samples of 33 tokens from the stdlib `json` package, vocab 512, row groups of 2 samples.
 
     Small row groups let the 4-6 lanes of the tests' global batches (`raytrain_ft.data.order`) fill
-    all but `num_samples % global_batch_size` samples of each epoch: 74 steps at global batch 8."""
+    all but `num_samples % global_batch_size` samples of each epoch: 74 steps at global batch 8.
+    No validation split: every document trains (tests/test_validation.py prepares one with a split)."""
     out = str(tmp_path_factory.mktemp("data") / "tiny")
-    prepare(STDLIB_JSON, out, PrepareSettings(seq_len=32, vocab_size=512, rows_per_row_group=2))
+    settings = PrepareSettings(
+        seq_len=32, vocab_size=512, rows_per_row_group=2, validation_fraction=0.0, validation_min_docs=0
+    )
+    prepare(STDLIB_JSON, out, settings)
     return out
 
 

@@ -9,7 +9,7 @@ from mlflow.tracking import MlflowClient
 
 from conftest import make_config, metric_by_step
 from raytrain_ft.checkpoint import list_step_dirs
-from raytrain_ft.goodput import PARTS, GoodputLedger, classify_gap
+from raytrain_ft.goodput import GAP_PARTS, GoodputLedger, classify_gap
 from raytrain_ft.interval import optimal_interval_s
 from raytrain_ft.local_session import LocalSession
 from raytrain_ft.loop import train
@@ -55,7 +55,7 @@ def test_after_a_checkpoint_only_the_time_since_its_snapshot_is_classified():
 def test_a_rollback_turns_the_discarded_steps_into_lost_work_and_its_reload_into_restore():
     events = [{"kind": "rollback", "time": 14.0, "restore_started_at": 12.5}]
     assert classify_gap(events, 10.0, 15.0, fresh=False) == {
-        **dict.fromkeys(PARTS, 0.0),
+        **dict.fromkeys(GAP_PARTS, 0.0),
         "lost_work": 3.5,
         "restore": 1.5,
     }
@@ -64,7 +64,7 @@ def test_a_rollback_turns_the_discarded_steps_into_lost_work_and_its_reload_into
 def test_a_restart_without_a_failure_event_counts_the_unknown_end_of_work_as_lost_work():
     events = [{"kind": "attempt_start", "time": 30.0, "init_started_at": 27.0}]  # e.g. an elastic resize
     assert classify_gap(events, 10.0, 30.0, fresh=False) == {
-        **dict.fromkeys(PARTS, 0.0),
+        **dict.fromkeys(GAP_PARTS, 0.0),
         "lost_work": 17.0,
         "restore": 3.0,
     }

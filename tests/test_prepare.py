@@ -50,29 +50,32 @@ def corpus(tmp_path_factory) -> tuple[str, str, list[str]]:
 
 
 def check_dataset(url: str, tokenizer: str, docs: list[str]) -> None:
+    """Both splits (the default holds out 16 of the 60 documents): every document once, exact counts."""
     m = load_manifest(url)
     given = Tokenizer.from_file(tokenizer)
     eos = given.token_to_id("</s>")
     assert (m.vocab_size, m.eos_token_id, m.seq_len) == (given.get_vocab_size(), eos, 16)
-    assert m.documents == len(docs)
-    assert m.tokens == sum(len(given.encode(d).ids) + 1 for d in docs)  # each document + its EOS
-    assert m.dropped_tokens == m.tokens - m.num_samples * 17 and 0 <= m.dropped_tokens < 17 * 2
+    v = m.validation
+    assert v.documents == 16 and m.documents + v.documents == len(docs)
+    assert m.tokens + v.tokens == sum(len(given.encode(d).ids) + 1 for d in docs)  # each document + its EOS
     fs, base = fsspec.core.url_to_fs(url)
-    rows = []
-    for s in m.shards:
-        with fs.open(f"{base}/{s.file}", "rb") as f:
-            table = pq.read_table(f)
-        assert len(table) == s.num_samples == sum(s.row_group_rows)
-        rows.append(np.stack(table.column("tokens").to_numpy(zero_copy_only=False)))
-    assert sum(len(r) for r in rows) == m.num_samples
     with fs.open(f"{base}/{m.tokenizer_file}", "r") as f:
         saved = Tokenizer.from_str(f.read())
     text = "def round_trip(y):\n    return y\n"
     assert saved.decode(saved.encode(text).ids) == text
-    stream = np.concatenate([r.reshape(-1) for r in rows]).tolist()
-    cuts = [i for i, t in enumerate(stream) if t == eos]
-    pieces = [saved.decode(stream[a + 1 : b]) for a, b in zip(cuts, cuts[1:], strict=False)]
-    assert len(pieces) >= len(docs) // 2 and all(p in docs for p in pieces)  # EOS between whole documents
+    for folder, split in ((base, m), (f"{base}/{v.folder}", v)):
+        assert split.dropped_tokens == split.tokens - split.num_samples * 17 and 0 <= split.dropped_tokens < 17 * 2
+        rows = []
+        for s in split.shards:
+            with fs.open(f"{folder}/{s.file}", "rb") as f:
+                table = pq.read_table(f)
+            assert len(table) == s.num_samples == sum(s.row_group_rows)
+            rows.append(np.stack(table.column("tokens").to_numpy(zero_copy_only=False)))
+        assert sum(len(r) for r in rows) == split.num_samples
+        stream = np.concatenate([r.reshape(-1) for r in rows]).tolist()
+        cuts = [i for i, t in enumerate(stream) if t == eos]
+        pieces = [saved.decode(stream[a + 1 : b]) for a, b in zip(cuts, cuts[1:], strict=False)]
+        assert len(pieces) >= split.documents // 2 and all(p in docs for p in pieces)  # EOS between whole documents
 
 
 def test_given_tokenizer_jsonl_gz_and_parquet_to_a_local_folder(tmp_path, corpus):
@@ -86,7 +89,8 @@ def test_given_tokenizer_jsonl_gz_and_parquet_to_a_local_folder(tmp_path, corpus
     assert not report.reused
     check_dataset(str(out), tokenizer, docs)
     assert "PREPARING" not in os.listdir(out) and "shard-000007.parquet" not in os.listdir(out)
-    assert {s.file for s in report.manifest.shards} | {"manifest.json", "tokenizer.json"} == set(os.listdir(out))
+    files = {s.file for s in report.manifest.shards} | {"manifest.json", "tokenizer.json", "validation"}
+    assert files == set(os.listdir(out))
     mtime = os.path.getmtime(out / "manifest.json")
     again = prepare(root, str(out), settings)
     assert again.reused and again.manifest == report.manifest and os.path.getmtime(out / "manifest.json") == mtime

@@ -5,6 +5,10 @@ A dataset folder (local path or fsspec URL) contains parquet shards with one col
 are dense 0..N-1: a shard's rows are `first_sample_id`, `first_sample_id + 1`, ... in file order.
 Each shard is split into row groups; a row group is the unit the loader permutes and reads (see
 `raytrain_ft.data.order`).
+
+A dataset may also hold a validation split (`Manifest.validation`): the packed sequences of
+documents held out of the training split (`raytrain_ft.data.prepare`, module doc), as shards of
+the same format in the `validation/` subfolder, with their own dense sample ids 0..n-1.
 """
 
 from __future__ import annotations
@@ -28,6 +32,18 @@ class Shard:
 
 
 @dataclass(frozen=True)
+class Split:
+    """The validation split: `shards` (file names relative to `folder`) and its counts."""
+
+    folder: str  # subfolder of the dataset folder
+    num_samples: int
+    shards: list[Shard]
+    documents: int  # documents held out of the training split
+    tokens: int
+    dropped_tokens: int
+
+
+@dataclass(frozen=True)
 class Manifest:
     num_samples: int
     seq_len: int  # tokens per sample = seq_len + 1 (inputs and shifted labels)
@@ -36,9 +52,10 @@ class Manifest:
     tokenizer_file: str
     fingerprint: str  # sha256 of the inputs' identities, the tokenizer and the settings (raytrain_ft.data.prepare)
     shards: list[Shard]
-    documents: int = 0  # non-empty input documents
+    documents: int = 0  # non-empty input documents of the training split
     tokens: int = 0  # their tokens, one EOS per document included
     dropped_tokens: int = 0  # tokens cut at the end of each packed batch (not in any sample)
+    validation: Split | None = None  # the held-out documents; None: prepared without a split
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -47,6 +64,9 @@ class Manifest:
     def from_json(cls, text: str) -> Manifest:
         d = json.loads(text)
         d["shards"] = [Shard(**s) for s in d["shards"]]
+        if d.get("validation"):
+            v = d["validation"]
+            d["validation"] = Split(**{**v, "shards": [Shard(**s) for s in v["shards"]]})
         return cls(**d)
 
 

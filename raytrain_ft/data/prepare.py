@@ -25,11 +25,25 @@ file list, a bounded tokenizer sample and one stats row per shard, never the cor
    `rows_per_row_group`), and the driver writes the manifest last from the shards' stats. Sample
    ids are the rows' positions in manifest order (`Shard.first_sample_id`).
 
+The validation split is chosen by document, never by sequence, so no document contributes to
+both splits: a document is identified by its input file and its index among that file's
+non-empty documents, and its key is a 63-bit hash of `(seed, file, index)` (`document_key`). A
+first pass over the files (read and parsed, not tokenized) counts the `D` documents and keeps the
+`validation_max_docs` smallest keys (bounded memory: one heap in the driver, one per read task);
+the `k = min(max(round(validation_fraction x D), validation_min_docs), validation_max_docs, D // 2)`
+documents with the smallest keys are held out. The draw depends on the seed and the documents'
+identities alone, so a re-run chooses the same documents. The training pass skips them (same
+shards, same format as without a split: the data order is unchanged); a last pass reads only the
+files holding them and packs them into `validation/` the same way. The cost is one extra read of
+the corpus (no tokenization) and of the held-out documents' files. `--validation-fraction 0
+--validation-min-docs 0` prepares no split (and skips the count). Defaults: 0.5 %, at least 16 and
+at most 10,000 documents (the cap bounds the split's read and a whole-split validation).
+
 Tokenizer: a given Hugging Face `tokenizer.json` (EOS from `eos_token` or the first of
 `EOS_CANDIDATES` among its special tokens), or a byte-level BPE trained on the first
-`tokenizer_sample_docs` documents in the interleaved order (streamed: the read stops there).
-Either way it is saved as `tokenizer.json` next to the shards, and the vocabulary size is the
-tokenizer's.
+`tokenizer_sample_docs` training-split documents in the interleaved order (streamed: the read
+stops there). Either way it is saved as `tokenizer.json` next to the shards, and the vocabulary
+size is the tokenizer's.
 
 Never a mix: an input file is identified by its path, size and modification time (or the object
 store's ETag when the filesystem reports one): hashing every byte of a 500 GB corpus is not
@@ -45,6 +59,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import heapq
 import io
 import json
 import os
@@ -65,7 +80,7 @@ from ray.data import Datasink
 from ray.data.datasource import WriteResult
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from raytrain_ft.data.manifest import MANIFEST, Manifest, Shard, load_manifest
+from raytrain_ft.data.manifest import MANIFEST, Manifest, Shard, Split, load_manifest
 from raytrain_ft.errors import DataError
 
 EOS = "<|endoftext|>"  # the EOS of a trained tokenizer
@@ -85,6 +100,7 @@ IO_CPUS = 0.5
 PACK_BATCH_DOCS = 256  # documents tokenized and packed together: the dropped tail is < 1 row per batch
 SAMPLES_PER_SHARD = 8192  # rows a write task gathers before writing its shard
 STATS = ("documents", "tokens", "dropped")  # counted per packed batch, summed per shard
+VALIDATION_FOLDER = "validation"
 WORKER_ERROR = re.compile(r"raytrain_ft\.errors\.\w+Error: (.*)")
 
 
@@ -96,7 +112,10 @@ class PrepareSettings:
     tokenizer: str | None = None  # path or URL of a Hugging Face tokenizer.json; None = train one
     eos_token: str | None = None  # with `tokenizer`: its EOS token (default: found among its special tokens)
     tokenizer_sample_docs: int = 10_000  # documents a trained tokenizer learns from
-    seed: int = 0  # document shuffle
+    seed: int = 0  # document shuffle and the validation split's draw
+    validation_fraction: float = 0.005  # documents held out for validation (module doc: the split)
+    validation_min_docs: int = 16  # floor of the split, in documents
+    validation_max_docs: int = 10_000  # cap of the split, in documents
 
 
 def default_corpus() -> str:
@@ -164,19 +183,34 @@ def file_documents(url: str) -> Iterator[str]:
             raise DataError(f"{url} is not a valid {codec} file ({e}); re-download or remove it") from None
 
 
-def read_documents(batch: dict[str, np.ndarray], seed: int) -> Iterator[dict[str, list[str]]]:
+DocumentKey = tuple[int, str, int]  # (63-bit hash, file, index in the file): the validation draw's order
+
+
+def document_key(seed: int, url: str, index: int) -> DocumentKey:
+    """The key of the `index`-th non-empty document of `url` in the validation draw (module doc)."""
+    digest = hashlib.blake2b(json.dumps([seed, url, index]).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1, url, index
+
+
+def read_documents(
+    batch: dict[str, np.ndarray], seed: int, held_out: DocumentKey | None = None, validation: bool = False
+) -> Iterator[dict[str, list[str]]]:
     """`map_batches` function (one row: `task`, `paths`): the documents of the task's files,
     interleaved by a seeded draw weighted by file size (module doc), in blocks of `READ_BATCH_DOCS`.
-    Holds one open reader per file and one block."""
+    With `held_out` (the largest held-out key), only the training split's documents (keys above
+    it), or with `validation` only the held-out ones. Holds one open reader per file and one block."""
     (task,), (paths,) = batch["task"], batch["paths"]
-    readers = [file_documents(str(url)) for url in paths]
+    readers = [enumerate(file_documents(str(url))) for url in paths]
+    urls = [str(url) for url in paths]
     sizes = [float(max(fsspec.core.url_to_fs(str(url))[0].size(str(url)) or 1, 1)) for url in paths]
     rng, docs = np.random.default_rng([seed, int(task)]), []
     while readers:
         k = int(rng.choice(len(readers), p=np.divide(sizes, sum(sizes))))
-        doc = next(readers[k], None)
+        index, doc = next(readers[k], (None, None))
         if doc is None:
-            del readers[k], sizes[k]
+            del readers[k], sizes[k], urls[k]
+            continue
+        if held_out is not None and (document_key(seed, urls[k], index) <= held_out) != validation:
             continue
         docs.append(doc)
         if len(docs) == READ_BATCH_DOCS:
@@ -184,6 +218,50 @@ def read_documents(batch: dict[str, np.ndarray], seed: int) -> Iterator[dict[str
             docs = []
     if docs:
         yield {"text": docs}
+
+
+def document_keys(batch: dict[str, np.ndarray], seed: int, keep: int) -> Iterator[dict[str, list]]:
+    """`map_batches` function (one row: `task`, `paths`), the count pass of the validation draw:
+    one row with the task's document count and its `keep` smallest keys (JSON)."""
+    (paths,), counted = batch["paths"], [0]
+
+    def keys() -> Iterator[DocumentKey]:
+        for url in paths:
+            for index, _ in enumerate(file_documents(str(url))):
+                counted[0] += 1
+                yield document_key(seed, str(url), index)
+
+    smallest = heapq.nsmallest(keep, keys())
+    yield {"documents": [counted[0]], "keys": [json.dumps(smallest)]}
+
+
+def validation_size(documents: int, settings: PrepareSettings) -> int:
+    """Documents held out of `documents`: the fraction, raised to the floor, cut to the cap and
+    to half the corpus (the training split keeps at least half)."""
+    wanted = max(round(settings.validation_fraction * documents), settings.validation_min_docs)
+    return min(wanted, settings.validation_max_docs, documents // 2)
+
+
+def draw_validation(tasks: ray.data.Dataset, settings: PrepareSettings) -> list[DocumentKey]:
+    """The held-out documents' keys, smallest first (module doc); [] without a split."""
+    if settings.validation_max_docs == 0 or settings.validation_fraction == settings.validation_min_docs == 0:
+        return []
+    counts = tasks.map_batches(
+        document_keys,
+        batch_size=1,
+        num_cpus=IO_CPUS,
+        fn_kwargs={"seed": settings.seed, "keep": settings.validation_max_docs},
+    )
+    total = 0
+
+    def keys() -> Iterator[DocumentKey]:
+        nonlocal total
+        for row in counts.iter_rows():
+            total += row["documents"]
+            yield from (tuple(k) for k in json.loads(row["keys"]))
+
+    smallest = heapq.nsmallest(settings.validation_max_docs, keys())
+    return smallest[: validation_size(total, settings)]
 
 
 def load_tokenizer(path: str, eos_token: str | None) -> tuple[Tokenizer, str]:
@@ -300,10 +378,13 @@ class PrepareReport:
         m = self.manifest
         if self.reused:
             return f"reused {output}: {m.num_samples} samples x {m.seq_len + 1} tokens, vocab {m.vocab_size}"
+        v = m.validation
+        held_out = f"; validation: {v.documents} documents, {v.num_samples} samples" if v else "; no validation split"
         return (
             f"wrote {output}: {m.documents} documents, {m.tokens} tokens, {m.num_samples} samples x "
             f"{m.seq_len + 1} tokens in {len(m.shards)} shards, {m.dropped_tokens} tokens dropped "
             f"({m.dropped_tokens / max(m.tokens, 1):.2%}), {self.tokens_per_s:,.0f} tokens/s, vocab {m.vocab_size}"
+            + held_out
         )
 
 
@@ -336,6 +417,13 @@ def prepare(input_pattern: str | None, output: str, settings: PrepareSettings) -
             f"need --seq-len >= 1, --vocab-size >= 257 (the byte alphabet + EOS) and --rows-per-row-group >= 1, "
             f"got {settings}"
         )
+    if not (
+        0 <= settings.validation_fraction <= 0.5 and 0 <= settings.validation_min_docs <= settings.validation_max_docs
+    ):
+        raise DataError(
+            f"need 0 <= --validation-fraction <= 0.5 and 0 <= --validation-min-docs <= --validation-max-docs, got "
+            f"{settings.validation_fraction}, {settings.validation_min_docs}, {settings.validation_max_docs}"
+        )
     files = list_inputs(input_pattern or default_corpus())
     given = load_tokenizer(settings.tokenizer, settings.eos_token) if settings.tokenizer else None
     fp = fingerprint(files, settings, given[0].to_str() if given else None)
@@ -354,6 +442,31 @@ def prepare(input_pattern: str | None, output: str, settings: PrepareSettings) -
             ray.shutdown()
 
 
+def _read_tasks(groups: list[list[str]]) -> ray.data.Dataset:
+    return ray.data.from_items([{"task": i, "paths": g} for i, g in enumerate(groups)], override_num_blocks=len(groups))
+
+
+def _pack(docs: ray.data.Dataset, tok: Tokenizer, eos: str, settings: PrepareSettings, folder: str) -> list[dict]:
+    """Tokenize, pack and write `docs` as shards in `folder`; the shards' stats (`ShardSink.write`)."""
+    sink = ShardSink(folder, settings.rows_per_row_group)
+    rows = docs.map_batches(
+        tokenize_and_pack,
+        batch_size=PACK_BATCH_DOCS,
+        fn_kwargs={"tokenizer_json": tok.to_str(), "eos_id": tok.token_to_id(eos), "seq_len": settings.seq_len},
+    )
+    rows.write_datasink(sink, ray_remote_args={"num_cpus": IO_CPUS})
+    return sink.results
+
+
+def _shards(results: list[dict]) -> tuple[list[Shard], dict[str, int]]:
+    """The written shards with their first sample ids (in file order), and the summed `STATS`."""
+    shards, first = [], 0
+    for r in sorted((r for r in results if r["num_samples"]), key=lambda r: r["file"]):
+        shards.append(Shard(r["file"], first, r["num_samples"], r["row_group_rows"]))
+        first += r["num_samples"]
+    return shards, {k: sum(r[k] for r in results) for k in STATS}
+
+
 def _run(files, pattern, output, fs, out, settings, given, fp, started) -> PrepareReport:
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # with the seeded interleave: the same input, the same shards
@@ -361,10 +474,10 @@ def _run(files, pattern, output, fs, out, settings, given, fp, started) -> Prepa
     try:
         shuffled = [files[i] for i in np.random.default_rng(settings.seed).permutation(len(files))]
         groups = [shuffled[i : i + FILES_PER_READ_TASK] for i in range(0, len(shuffled), FILES_PER_READ_TASK)]
-        tasks = ray.data.from_items(
-            [{"task": i, "paths": g} for i, g in enumerate(groups)], override_num_blocks=len(groups)
-        )
-        docs = tasks.map_batches(read_documents, batch_size=1, num_cpus=IO_CPUS, fn_kwargs={"seed": settings.seed})
+        tasks = _read_tasks(groups)
+        held_out = draw_validation(tasks, settings)
+        split = {"seed": settings.seed, "held_out": held_out[-1] if held_out else None}
+        docs = tasks.map_batches(read_documents, batch_size=1, num_cpus=IO_CPUS, fn_kwargs=split)
         if given:
             tok, eos = given
         else:
@@ -373,13 +486,18 @@ def _run(files, pattern, output, fs, out, settings, given, fp, started) -> Prepa
                 raise DataError(f"all {len(files)} input files matching {pattern} are empty")
             tok, eos = train_tokenizer(sample, settings.vocab_size), EOS
         fs.pipe_file(f"{out}/{TOKENIZER_FILE}", tok.to_str().encode())
-        sink = ShardSink(output.rstrip("/"), settings.rows_per_row_group)
-        rows = docs.map_batches(
-            tokenize_and_pack,
-            batch_size=PACK_BATCH_DOCS,
-            fn_kwargs={"tokenizer_json": tok.to_str(), "eos_id": tok.token_to_id(eos), "seq_len": settings.seq_len},
-        )
-        rows.write_datasink(sink, ray_remote_args={"num_cpus": IO_CPUS})
+        results = _pack(docs, tok, eos, settings, output.rstrip("/"))
+        validation_results = []
+        if held_out:  # only the files holding held-out documents, in the same order
+            holding = {url for _, url, _ in held_out}
+            kept = [f for f in shuffled if f in holding]
+            val_tasks = _read_tasks(
+                [kept[i : i + FILES_PER_READ_TASK] for i in range(0, len(kept), FILES_PER_READ_TASK)]
+            )
+            val_docs = val_tasks.map_batches(
+                read_documents, batch_size=1, num_cpus=IO_CPUS, fn_kwargs={**split, "validation": True}
+            )
+            validation_results = _pack(val_docs, tok, eos, settings, f"{output.rstrip('/')}/{VALIDATION_FOLDER}")
     except Exception as e:  # a DataError raised in a Ray task reaches us as text inside Ray's error
         if isinstance(e, DataError) and not isinstance(e, ray.exceptions.RayError):
             raise
@@ -387,20 +505,26 @@ def _run(files, pattern, output, fs, out, settings, given, fp, started) -> Prepa
         if match is None:
             raise
         raise DataError(match.group(1)) from None
-    results = sorted((r for r in sink.results if r["num_samples"]), key=lambda r: r["file"])
-    totals = {k: sum(r[k] for r in sink.results) for k in STATS}
+    shards, totals = _shards(results)
     if totals["documents"] == 0:
         fs.rm(out, recursive=True)
         raise DataError(f"all {len(files)} input files matching {pattern} are empty")
-    if not results:
+    if not shards:
         fs.rm(out, recursive=True)
         raise DataError(f"the corpus has fewer than {settings.seq_len + 1} tokens; lower --seq-len or add text")
-    shards, first = [], 0
-    for r in results:
-        shards.append(Shard(r["file"], first, r["num_samples"], r["row_group_rows"]))
-        first += r["num_samples"]
+    validation = None
+    if held_out:
+        val_shards, val_totals = _shards(validation_results)
+        validation = Split(
+            folder=VALIDATION_FOLDER,
+            num_samples=sum(s.num_samples for s in val_shards),
+            shards=val_shards,
+            documents=val_totals["documents"],
+            tokens=val_totals["tokens"],
+            dropped_tokens=val_totals["dropped"],
+        )
     manifest = Manifest(
-        num_samples=first,
+        num_samples=sum(s.num_samples for s in shards),
         seq_len=settings.seq_len,
         vocab_size=tok.get_vocab_size(),
         eos_token_id=tok.token_to_id(eos),
@@ -410,7 +534,9 @@ def _run(files, pattern, output, fs, out, settings, given, fp, started) -> Prepa
         documents=totals["documents"],
         tokens=totals["tokens"],
         dropped_tokens=totals["dropped"],
+        validation=validation,
     )
     fs.pipe_file(f"{out}/{MANIFEST}", manifest.to_json().encode())  # written last: it marks the dataset complete
     fs.rm(f"{out}/{MARKER}")
-    return PrepareReport(manifest, False, totals["tokens"] / (time.perf_counter() - started))
+    tokens = totals["tokens"] + (validation.tokens if validation else 0)
+    return PrepareReport(manifest, False, tokens / (time.perf_counter() - started))
