@@ -26,7 +26,8 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, cast
 
 import fsspec
 import torch
@@ -78,7 +79,7 @@ def _newest_size(root: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
 
 
-def _out_of_space(exc: BaseException) -> bool:
+def _out_of_space(exc: BaseException | None) -> bool:
     """ENOSPC anywhere in the chain, or torch's zip writer failing on a short write."""
     while exc is not None:
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
@@ -140,8 +141,8 @@ class Checkpointer:
         self.root, self.commit = root, commit
         self.save_group = dist.new_group(backend="gloo")
         self.control_group = dist.new_group(backend="gloo")
-        self.pending: tuple[int, str, object] | None = None  # (step, path, upload future)
-        self.staging = None  # future of the snapshot copy still in progress
+        self.pending: tuple[int, str, Future] | None = None  # (step, path, upload future)
+        self.staging: Future | None = None  # future of the snapshot copy still in progress
         self.stall_s = 0.0  # seconds training was blocked in save() / wait_staged(), since start
         self.last_cost_s = self.last_duration_s = 0.0  # of the last committed save: stall; start to commit
         self._started = self._pending_stall = self._stall_taken = 0.0
@@ -241,6 +242,7 @@ class Checkpointer:
             raise
 
     def _commit(self) -> int:
+        assert self.pending is not None
         step, path, upload = self.pending
         self._written(step, upload)  # re-raises a failed write instead of committing it
         self.pending = None
@@ -248,8 +250,11 @@ class Checkpointer:
         self.commit(step, path)
         return step
 
-    def restore(self, state: TrainState, candidates: list[str], on_corrupt: Callable[[str, str], None]) -> str | None:
-        """Load the first loadable checkpoint of `candidates` (newest first) into `state`.
+    def restore(
+        self, state: TrainState, candidates: list[str], on_corrupt: Callable[[str, str], None]
+    ) -> tuple[str | None, set[str]]:
+        """Load the first loadable checkpoint of `candidates` (newest first) into `state`; return its
+        path and the state keys it held (None and an empty set when `candidates` is empty).
 
         A candidate that fails to load (truncated or corrupt file) is reported through
         `on_corrupt(path, reason)` and the next one is tried.
@@ -292,7 +297,7 @@ class Checkpointer:
         return loadable, saved
 
     def _check_compatible(self, path: str, state: TrainState) -> None:
-        current: RunMeta = state.components[KEY_META]
+        current = cast(RunMeta, state.components[KEY_META])
         saved = RunMeta(fingerprint={})
         dcp.load({KEY_META: saved}, storage_reader=FsspecReader(path), process_group=self.save_group)
         diff = {

@@ -364,7 +364,8 @@ def _run(files, pattern, output, fs, out, settings, given, fp, started) -> Prepa
         tasks = ray.data.from_items(
             [{"task": i, "paths": g} for i, g in enumerate(groups)], override_num_blocks=len(groups)
         )
-        docs = tasks.map_batches(read_documents, batch_size=1, num_cpus=IO_CPUS, fn_kwargs={"seed": settings.seed})
+        # Ray's annotation of a batch function has no room for its `fn_kwargs` parameters
+        docs = tasks.map_batches(read_documents, batch_size=1, num_cpus=IO_CPUS, fn_kwargs={"seed": settings.seed})  # type: ignore[arg-type]
         if given:
             tok, eos = given
         else:
@@ -375,7 +376,7 @@ def _run(files, pattern, output, fs, out, settings, given, fp, started) -> Prepa
         fs.pipe_file(f"{out}/{TOKENIZER_FILE}", tok.to_str().encode())
         sink = ShardSink(output.rstrip("/"), settings.rows_per_row_group)
         rows = docs.map_batches(
-            tokenize_and_pack,
+            tokenize_and_pack,  # type: ignore[arg-type]
             batch_size=PACK_BATCH_DOCS,
             fn_kwargs={"tokenizer_json": tok.to_str(), "eos_id": tok.token_to_id(eos), "seq_len": settings.seq_len},
         )
