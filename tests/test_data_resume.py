@@ -47,7 +47,7 @@ def two_worker_epoch(tmp_path_factory, dataset):
     return ids_by_step(cfg), metric_by_step(cfg, run_id, "lr")
 
 
-def test_resume_at_other_world_sizes_keeps_every_step(tmp_path, dataset, two_worker_epoch):
+def test_resume_at_another_world_size_keeps_every_step(tmp_path, dataset, two_worker_epoch):
     """One run, three submissions sharing their prefixes: 2 workers until a failure at step 21 (the
     job dies: no restarts allowed), resubmitted with 3 workers from step 20 until a failure at 31,
     resubmitted with 1 worker from step 30 to the end of the epoch."""
