@@ -91,9 +91,7 @@ def test_clean_run_raises_no_alert(reference):
     assert "restarts" not in MlflowClient(cfg.tracking.uri).get_run(run_id).data.metrics
 
 
-def test_bitflips_are_detected_before_a_save_and_at_the_interval_and_the_run_restarts_clean(
-    tmp_path, dataset, reference
-):
+def test_bitflip_is_detected_and_the_run_restarts_from_a_clean_checkpoint(tmp_path, dataset, reference):
     """Flip at 15 (a save step): only the replica check before that save can see it (the next
     interval check is at 21), so no checkpoint holds diverged replicas; flip at 26: the interval
     check at 28, before the save of 30."""
