@@ -29,7 +29,8 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, cast
 
 import fsspec
 import torch
@@ -82,7 +83,7 @@ def _newest_size(root: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
 
 
-def _out_of_space(exc: BaseException) -> bool:
+def _out_of_space(exc: BaseException | None) -> bool:
     """ENOSPC anywhere in the chain, or torch's zip writer failing on a short write."""
     while exc is not None:
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
@@ -157,8 +158,8 @@ class Checkpointer:
         self.root, self.commit = root, commit
         self.save_group = dist.new_group(backend="gloo")
         self.control_group = dist.new_group(backend="gloo")
-        self.pending: tuple[int, str, object] | None = None  # (step, path, upload future)
-        self.staging = None  # future of the snapshot copy still in progress
+        self.pending: tuple[int, str, Future] | None = None  # (step, path, upload future)
+        self.staging: Future | None = None  # future of the snapshot copy still in progress
         self.stall_s = 0.0  # seconds training was blocked in save() / wait_staged(), since start
         self.last_cost_s = self.last_duration_s = 0.0  # of the last committed save: stall; start to commit
         self._started = self._pending_stall = self._stall_taken = 0.0
@@ -258,6 +259,7 @@ class Checkpointer:
             raise
 
     def _commit(self) -> int:
+        assert self.pending is not None
         step, path, upload = self.pending
         self._written(step, upload)  # re-raises a failed write instead of committing it
         self.pending = None
@@ -323,7 +325,7 @@ class Checkpointer:
         return set(loadable)
 
     def _check_compatible(self, reader: ChecksummedReader, path: str, state: TrainState) -> None:
-        current: RunMeta = state.components[KEY_META]
+        current = cast(RunMeta, state.components[KEY_META])
         saved = RunMeta(fingerprint={})
         dcp.load({KEY_META: saved}, storage_reader=reader, process_group=self.save_group)
         diff = {
@@ -353,7 +355,8 @@ def corruption_of(e: BaseException) -> CorruptCheckpointError | None:
     if isinstance(e, CorruptCheckpointError):
         return e
     errors = [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else []
-    return errors[0] if errors and all(isinstance(x, CorruptCheckpointError) for x in errors) else None
+    corrupt = [x for x in errors if isinstance(x, CorruptCheckpointError)]
+    return corrupt[0] if corrupt and len(corrupt) == len(errors) else None
 
 
 def restore_latest(

@@ -15,6 +15,7 @@ Errors in the input print one `error: ...` line on stderr and exit with status 2
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -273,12 +274,12 @@ def _check(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
 
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
         cluster = ray.cluster_resources()
         ray.shutdown()
     found = problems(cfg, cluster)
-    for e in found:
-        print(f"error: {e}", file=sys.stderr)
+    for problem in found:
+        print(f"error: {problem}", file=sys.stderr)
     if found:
         return 2
     lo, hi = cfg.worker_range

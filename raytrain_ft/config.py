@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import yaml
 from omegaconf import MISSING, OmegaConf
@@ -188,7 +188,7 @@ def reference_rows(cls: type = Config, prefix: str = "") -> list[tuple[str, str,
         if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory):
             rows += reference_rows(f.default_factory, f"{prefix}{f.name}.")
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = f.default_factory() if callable(f.default_factory) else f.default
         type_name = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
         rows.append((f"{prefix}{f.name}", type_name, repr(default), comments.get(f.name, "")))
     return rows
@@ -243,7 +243,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
 
 def _build(sources: list) -> Config:
     try:
-        cfg: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), *sources))
+        cfg = cast(Config, OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), *sources)))
     except OmegaConfBaseException as e:
         raise ConfigError(_describe(e)) from None
     except (TypeError, ValueError) as e:  # e.g. a YAML list where a mapping belongs
@@ -254,7 +254,7 @@ def _build(sources: list) -> Config:
 
 def to_dict(cfg: Config) -> dict:
     """Plain nested dict (for Ray's train_loop_config and MLflow params)."""
-    return OmegaConf.to_container(OmegaConf.structured(cfg))
+    return cast(dict, OmegaConf.to_container(OmegaConf.structured(cfg)))
 
 
 def from_dict(d: dict) -> Config:

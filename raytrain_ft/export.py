@@ -212,6 +212,7 @@ def export_checkpoint(
         for name in names:
             key = f"{KEY_MODEL}.{name}"
             saved = metadata.state_dict_metadata[key]
+            assert isinstance(saved, TensorStorageMetadata)  # model weights are tensors (check_complete)
             tensor = torch.empty(saved.size, dtype=saved.properties.dtype)
             _no_dist_load({key: tensor}, checkpoint)
             shard[name] = tensor.to(target)
@@ -229,7 +230,7 @@ def export_checkpoint(
     largest_saved = max(
         m.size.numel() * m.properties.dtype.itemsize
         for k, m in metadata.state_dict_metadata.items()
-        if k.startswith(KEY_MODEL + ".")
+        if k.startswith(KEY_MODEL + ".") and isinstance(m, TensorStorageMetadata)
     )
     files = list(split.filename_to_tensors)
     return Export(

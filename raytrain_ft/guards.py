@@ -112,6 +112,30 @@ def replica_mismatch(rows: torch.Tensor) -> bool:
     return any(len(set(rows[rows[:, 0] == s, 1].tolist())) > 1 for s in rows[:, 0].unique().tolist())
 
 
+def spread_alert(rows: torch.Tensor, max_spread: float) -> dict | None:
+    """The `rank_spread` alert's detail, or None when every column's spread is at most `max_spread`.
+
+    Args:
+        rows: float64 (world_size, 2), one `[local loss, grad norm]` row per rank (`gather_rows`).
+        max_spread: `guards.rank_check.max_spread` (relative, see `rank_spread`).
+
+    A NaN spread (a NaN loss) is not an alert here: the spike guard skips that step.
+    """
+    spread = rank_spread(rows)
+    if spread.max().item() > max_spread:
+        return {"loss_grad_norm_by_rank": rows.tolist(), "spread": spread.tolist()}
+    return None
+
+
+def mismatch_alert(rows: torch.Tensor) -> dict | None:
+    """The `replica_mismatch` alert's detail, or None when all replicas of each shard agree.
+
+    Args:
+        rows: int64 (world_size, 2), one `[shard_index, checksum]` row per rank (`replica_mismatch`).
+    """
+    return {"shard_checksum_by_rank": rows.tolist()} if replica_mismatch(rows) else None
+
+
 @torch.no_grad()
 def replica_checksum(tensors: list[torch.Tensor]) -> int:
     """int64 sum of the raw bits of every tensor (wraps on overflow; any bit flip changes it)."""
@@ -145,10 +169,9 @@ class RankChecks:
         """Cross-rank sanity check and replica fingerprint at their intervals."""
         g = self.cfg
         if step % g.rank_check.interval_steps == 0:
-            rows = gather_rows([local_loss, grad_norm], self.group)
-            spread = rank_spread(rows)
-            if spread.max().item() > g.rank_check.max_spread:
-                self.alert(step, "rank_spread", {"loss_grad_norm_by_rank": rows.tolist(), "spread": spread.tolist()})
+            detail = spread_alert(gather_rows([local_loss, grad_norm], self.group), g.rank_check.max_spread)
+            if detail is not None:
+                self.alert(step, "rank_spread", detail)
         if step % g.fingerprint.interval_steps == 0:
             self.check_replicas(step)
 
@@ -158,10 +181,10 @@ class RankChecks:
         if not self.par.has_replicas:
             return True
         row = [self.par.shard_index, replica_checksum(self.par.local_parameters())]
-        rows = gather_rows(row, self.group, dtype=torch.int64)
-        if not replica_mismatch(rows):
+        detail = mismatch_alert(gather_rows(row, self.group, dtype=torch.int64))
+        if detail is None:
             return True
-        self.alert(step, "replica_mismatch", {"shard_checksum_by_rank": rows.tolist()})
+        self.alert(step, "replica_mismatch", detail)
         return False
 
     def alert(self, step: int, kind: str, detail: dict) -> None:

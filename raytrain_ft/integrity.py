@@ -135,7 +135,7 @@ class ChecksummedWriter(FsspecWriter):
 
     def __init__(self, path: str, **kwargs):
         super().__init__(path, **kwargs)
-        self.fs = _HashingFileSystem()
+        self.fs: _HashingFileSystem = _HashingFileSystem()  # type: ignore[assignment]  # FsspecWriter types it as its base
         self.path = self.fs.init_path(path)
         self.transforms = _HashingTransforms(self.transforms.extensions)
 
@@ -156,7 +156,7 @@ class ChecksummedWriter(FsspecWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         items: dict[str, dict[str, list]] = {}
-        plain = []
+        plain: list[list[WriteResult]] = []
         for rank_results in results:
             plain.append([])
             for r in rank_results:
@@ -234,6 +234,7 @@ class ChecksummedReader(FsspecReader):
             raise CorruptCheckpointError(f"{self.checkpoint}: missing file {e.filename or e}") from None
 
     def _slice_file(self, file, sinfo: _StorageInfo):
+        assert self._metadata is not None and self._record is not None  # read_metadata runs before any read
         expected = self._record["items"].get(sinfo.relative_path, {}).get(str(sinfo.offset))
         if expected != [sinfo.length, _hash_range(file, sinfo.offset, sinfo.length)]:
             name = _item_name(self._metadata, sinfo.relative_path, sinfo.offset, sinfo.length)

@@ -206,7 +206,7 @@ class CheckpointSchedule:
     def update(self, cost_s: float, save_s: float, step_time_s: float) -> dict[str, float]:
         """Recompute the auto interval from the last save's cost (training stall, seconds), its
         duration (start to commit, seconds) and the step time (seconds); returns what to log."""
-        if not self.auto or step_time_s <= 0:
+        if self.mtbf_s is None or step_time_s <= 0:
             return {}
         interval = max(optimal_interval_s(max(cost_s, MIN_COST_S), self.mtbf_s), save_s)
         self.steps = interval_steps(interval, step_time_s)

@@ -268,6 +268,7 @@ class Trainer:
     def start_attempt(self, init_started_at: float, resumed_from: int | None, ledger_loaded: bool) -> list[float]:
         """Rank 0, after the restore: log the attempt, classify the time since the checkpoint's
         snapshot (goodput), and return the run's failure times (unix seconds) so far."""
+        assert self.logger is not None  # rank 0 logs
         self.logger.tags(self.par.tags())
         self.logger.metrics(
             self.progress.step,
@@ -296,6 +297,7 @@ class Trainer:
             return CheckpointSchedule(c.interval_steps)
         mtbf = torch.zeros(1, dtype=torch.float64)
         if self.rank == 0:
+            assert self.logger is not None
             f = self.cfg.failure
             mtbf[0], source = planning_mtbf_s(
                 f.mtbf_hours_per_gpu, self.world_size, failure_times, self.ledger.run_start, time.time()

@@ -31,9 +31,8 @@ def loss_figure(kept: list[tuple[int, float]], discarded: list[tuple[int, float]
     steps = sorted(curve)
     ax.plot(steps, [curve[s] for s in steps], color="tab:blue", linewidth=1.2, label="loss", gid="loss")
     if discarded:
-        ax.scatter(
-            *zip(*discarded, strict=True), s=6, color="0.7", label="discarded by a restart or rollback", gid="discarded"
-        )
+        xs, ys = zip(*discarded, strict=True)
+        ax.scatter(xs, ys, s=6, color="0.7", label="discarded by a restart or rollback", gid="discarded")
     for i, (_, f) in enumerate(failures(events)):
         ax.axvline(f["last_step"], color="tab:red", linestyle="--", gid="failure", label="failure" if i == 0 else None)
     rollbacks = [e["at_step"] for e in events if e["kind"] == "rollback"]

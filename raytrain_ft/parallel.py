@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -125,7 +126,7 @@ class Parallel:
         `torchtitan.distributed.utils.clip_grad_norm_`.
         """
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
@@ -181,6 +182,7 @@ def build(
             layers[i] = checkpoint_wrapper(layer)
     mixed = device.type == "cuda"
     seed = None if resuming else cfg.train.seed
+    module: torch.nn.Module
     if strategy == "ddp":
         materialize(model, seed, device)
         module = DDP(model, device_ids=[device.index] if mixed else None, init_sync=not resuming)
@@ -190,7 +192,7 @@ def build(
         else:
             mesh = init_device_mesh(device.type, (shard_size,), mesh_dim_names=("shard",))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
-        kwargs = {"mesh": mesh, **({"mp_policy": policy} if policy else {})}
+        kwargs: dict[str, Any] = {"mesh": mesh, **({"mp_policy": policy} if policy else {})}
         for layer in model.model.layers:
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
@@ -240,7 +242,8 @@ def materialize(model: torch.nn.Module, seed: int | None, device: torch.device) 
     if seed is None:
         return
     generator = torch.Generator(device).manual_seed(seed)
-    std = model.config.initializer_range
+    config: Any = model.config  # transformers' LlamaConfig
+    std = config.initializer_range
     for name, p in model.named_parameters():
         full = torch.empty(p.shape, device=device)
         if name.endswith("norm.weight"):

@@ -74,7 +74,7 @@ def extension_refusal(saved: dict, max_steps: int, step: int) -> str | None:
     `step + 1`) is the same under both plans. `cosine` never does: its LRs depend on `max_steps` from
     the first step after the warmup.
     """
-    planned, schedule = saved.get("train.max_steps"), saved.get("train.lr_schedule", "cosine")
+    planned, schedule = int(saved["train.max_steps"]), saved.get("train.lr_schedule", "cosine")
     if max_steps <= planned:
         return f"--max-steps {max_steps} is not beyond the planned train.max_steps={planned}; extending only lengthens"
     if schedule != "wsd":

@@ -105,7 +105,7 @@ class StepMetrics(StepHook):
             r.step,
             {
                 "loss": r.loss,
-                "lr": self.scheduler.get_last_lr()[0],
+                "lr": float(self.scheduler.get_last_lr()[0]),
                 "grad_norm": r.grad_norm,
                 **throughput,
                 "step_time_s": step_time,

@@ -104,10 +104,10 @@ class ModelState(Stateful):
     def __init__(self, model: torch.nn.Module):
         self.model = model
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def state_dict(self) -> dict[str, Any]:
         return get_model_state_dict(self.model)
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         set_model_state_dict(self.model, state)
 
 

@@ -6,4 +6,5 @@ bash scripts/setup.sh
 export RAY_AUTH_MODE=disabled  # local test clusters only; see docs/cluster.md "Ray authentication"
 .venv/bin/ruff format --check raytrain_ft jobs tests benchmarks
 .venv/bin/ruff check raytrain_ft jobs tests benchmarks
+.venv/bin/mypy  # the package; settings in pyproject.toml [tool.mypy]
 .venv/bin/python -m pytest "$@"

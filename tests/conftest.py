@@ -210,12 +210,19 @@ def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
     assert_tensors_equal(a, b)
 
 
+# Every guard at a short interval, `on_alert: restart` (test_guards.py): guards never change what a run
+# computes, so the reference run carries them too and doubles as the guards' clean run. The fingerprint's
+# interval (7) does not divide the checkpoint interval (5): some flips are caught only by the check
+# before a save, others by the interval check.
+GUARDED = ["guards.fingerprint.interval_steps=7", "guards.rank_check.interval_steps=1", "guards.on_alert=restart"]
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory, dataset, ray_local):
-    """The uninterrupted 30-step run every resume test compares against."""
+    """The uninterrupted 30-step run every resume test compares against (with the `GUARDED` settings)."""
     tmp = tmp_path_factory.mktemp("reference")
     from raytrain_ft.launch.trainer import run
 
-    cfg = make_config(tmp, dataset, "run.name=ref", "train.max_steps=30", "data.audit=true")
+    cfg = make_config(tmp, dataset, "run.name=ref", "train.max_steps=30", "data.audit=true", *GUARDED)
     run_id = run(cfg)
     return cfg, run_id, final_state(cfg, 30)

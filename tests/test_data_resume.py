@@ -47,21 +47,20 @@ def two_worker_epoch(tmp_path_factory, dataset):
     return ids_by_step(cfg), metric_by_step(cfg, run_id, "lr")
 
 
-@pytest.mark.parametrize("new_world_size", [1, 3])
-def test_resume_at_another_world_size_keeps_every_step(tmp_path, dataset, two_worker_epoch, new_world_size):
-    common = [
-        "run.name=ws",
-        "train.max_steps=49",
-        "train.global_batch_size=12",
-        "data.audit=true",
-        "faults=[{kind: raise, step: 21, rank: 0}]",
-    ]
+def test_resume_at_another_world_size_keeps_every_step(tmp_path, dataset, two_worker_epoch):
+    """One run, three submissions sharing their prefixes: 2 workers until a failure at step 21 (the
+    job dies: no restarts allowed), resubmitted with 3 workers from step 20 until a failure at 31,
+    resubmitted with 1 worker from step 30 to the end of the epoch."""
+    faults = "faults=[{kind: raise, step: 21, rank: 0}, {kind: raise, step: 31, rank: 0}]"
+    common = ["run.name=ws", "train.max_steps=49", "train.global_batch_size=12", "data.audit=true", faults]
     with pytest.raises(RunFailed):  # 2 workers, checkpoint at 20 committed, then the job dies
         run(make_config(tmp_path, dataset, *common, "failure.max_failures=0"))
-    cfg = make_config(tmp_path, dataset, *common, f"scaling.num_workers={new_world_size}")
+    with pytest.raises(RunFailed):  # 3 workers from 20, checkpoint at 30 committed, then the job dies
+        run(make_config(tmp_path, dataset, *common, "failure.max_failures=0", "scaling.num_workers=3"))
+    cfg = make_config(tmp_path, dataset, *common, "scaling.num_workers=1")
     run_id = run(cfg)
-    attempts = assert_resumed(cfg.tracking.uri, run_id, [0, 20])  # resumed, not re-run from 0
-    assert [a["world_size"] for a in attempts] == [2, new_world_size]
+    attempts = assert_resumed(cfg.tracking.uri, run_id, [0, 20, 30])  # resumed, not re-run from 0
+    assert [a["world_size"] for a in attempts] == [2, 3, 1]
     ref_ids, ref_lrs = two_worker_epoch
     steps = ids_by_step(cfg)
     assert steps == ref_ids  # each step's set of ids equals the 2-worker run's
@@ -69,8 +68,11 @@ def test_resume_at_another_world_size_keeps_every_step(tmp_path, dataset, two_wo
     consumed = [i for ids in steps.values() for i in ids]
     assert len(consumed) == len(set(consumed)) == 49 * 12  # no repeats, and only the 11 epoch-tail ids dropped
     audit = read_audit(root(cfg))
-    late = audit.filter(pc.greater(audit.column("step"), 20))
-    assert sorted(set(late.column("rank").to_pylist())) == list(range(new_world_size))
+    for first, last, world_size in ((21, 30, 3), (31, 49, 1)):
+        part = audit.filter(
+            pc.and_(pc.greater_equal(audit.column("step"), first), pc.less_equal(audit.column("step"), last))
+        )
+        assert sorted(set(part.column("rank").to_pylist())) == list(range(world_size)), (first, last)
 
 
 def test_resume_at_epoch_boundary_and_mid_second_epoch(tmp_path, dataset):

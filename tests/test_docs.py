@@ -7,7 +7,8 @@ commands), the cluster commands against the config they feed, and the NCCL envir
 cluster files and docs. No Ray instance is started.
 
 Citing a test: `<file>.py::<function>` (optionally `tests/` before the file, `[param]` after the
-function), e.g. `test_pretrain.py::test_interrupted_run_is_bitwise_identical`. A bare backticked
+function; the file is looked up in tests/ and tests/unit/), e.g.
+`test_pretrain.py::test_interrupted_run_is_bitwise_identical`. A bare backticked
 `test_...` name is refused, so every citation can be checked.
 """
 
@@ -116,8 +117,10 @@ def test_every_cited_test_exists():
     cited = 0
     for doc, text in DOCS.items():
         for file, name in CITED_TEST.findall(text):
-            path = os.path.join(REPO, file if file.startswith("tests/") else os.path.join("tests", file))
-            assert os.path.exists(path), f"{doc} cites {file}::{name}: no such file"
+            bare = file.removeprefix("tests/")
+            found = [os.path.join(REPO, "tests", d, bare) for d in ("", "unit")]
+            path = next((p for p in found if os.path.exists(p)), found[0])
+            assert os.path.exists(path), f"{doc} cites {file}::{name}: no such file in tests/ or tests/unit/"
             assert name in _functions(path), f"{doc} cites {file}::{name}: no such function"
             cited += 1
         bare = BARE_TEST.findall(text)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from conftest import assert_resumed, assert_same_state, events, final_state, make_config
+from conftest import GUARDED, assert_resumed, assert_same_state, events, final_state, make_config
 from raytrain_ft.checkpoint import load_model_state_dict, step_path
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.launch.trainer import run
@@ -25,49 +25,65 @@ def weights(cfg, step: int) -> dict[str, torch.Tensor]:
     return load_model_state_dict(step_path(root(cfg), step))
 
 
-def test_one_rank_spikes_are_skipped_everywhere_and_history_survives_restart(tmp_path, dataset):
-    # A 20-step history. Spike on rank 1 only at 30 (history warm); kill at 40 -> resume from 35; spike on
-    # rank 0 at 45: only 10 steps after the restart, so it is judged only if the history was restored.
-    faults = (
-        "faults=[{kind: spike, step: 30, rank: 1}, {kind: kill, step: 40, rank: 1}, {kind: spike, step: 45, rank: 0}]"
-    )
-    history = ["guards.spike.window=20", "guards.spike.warmup=20"]
-    cfg = make_config(tmp_path, dataset, "train.max_steps=50", "guards.fingerprint.interval_steps=5", *history, faults)
-    run_id = run(cfg)
-    assert_resumed(cfg.tracking.uri, run_id, [0, 35])
-    skips = events(cfg.tracking.uri, run_id, "skipped_step")
-    assert [e["step"] for e in skips] == [30, 45]  # the 45 skip needs the 20-step history from the checkpoint
-    assert all(e["grad_norm"] > 10 * e["median"] for e in skips)
-    assert MlflowClient(cfg.tracking.uri).get_run(run_id).data.metrics["skipped_steps"] == 2
-    assert events(cfg.tracking.uri, run_id, "replica_mismatch") == []  # replicas identical, checked every 5 steps
-    assert all(torch.isfinite(w).all() for w in weights(cfg, 50).values())
+TINY_PARAMETERS = 21  # tensors in the tiny model's state dict (embedding, 2 layers x 9, norm, head)
 
 
-# every guard at a short interval, `on_alert: restart`: the clean run and the bit-flip run share it
-GUARDED_60 = [
-    "run.name=g",
-    "train.max_steps=60",
-    "checkpoint.interval_steps=10",
+def assert_all_finite(cfg, step: int) -> None:
+    """Every weight tensor of the checkpoint at `step` is present and finite (an empty dict fails)."""
+    w = weights(cfg, step)
+    assert len(w) == TINY_PARAMETERS, sorted(w)
+    for name, t in w.items():
+        assert torch.isfinite(t).all(), name
+
+
+# One run for the spike guard and the rank check: a 20-step history, every rank checked every step.
+# Rank 1's loss x10 at step 10 (before the guard's warmup: not a skip, a rank_spread alert); a NaN on
+# rank 0 at 15 (skipped everywhere); a spike on rank 1 at 30 (history warm); a kill at 40 -> resume from
+# 35; a spike on rank 0 at 45: only 10 steps after the restart, so it is judged only if the history was
+# restored.
+SPIKES_AND_RANK_CHECK = [
+    "train.max_steps=50",
     "guards.fingerprint.interval_steps=5",
+    "guards.spike.window=20",
+    "guards.spike.warmup=20",
     "guards.rank_check.interval_steps=1",
-    "guards.on_alert=restart",
+    "faults=[{kind: spike, step: 10, rank: 1, factor: 10.0}, {kind: nan, step: 15, rank: 0},"
+    " {kind: spike, step: 30, rank: 1}, {kind: kill, step: 40, rank: 1}, {kind: spike, step: 45, rank: 0}]",
 ]
 
 
 @pytest.fixture(scope="module")
-def clean_60(tmp_path_factory, dataset):
-    """A clean 60-step run with every guard at a short interval and `on_alert: restart`."""
-    cfg = make_config(
-        tmp_path_factory.mktemp("clean"),
-        dataset,
-        *GUARDED_60,
-    )
-    run_id = run(cfg)
-    return cfg, run_id
+def spikes_run(tmp_path_factory, dataset):
+    cfg = make_config(tmp_path_factory.mktemp("spikes"), dataset, *SPIKES_AND_RANK_CHECK)
+    return cfg, run(cfg)
 
 
-def test_clean_run_raises_no_alert(clean_60):
-    cfg, run_id = clean_60
+def test_one_rank_spikes_are_skipped_everywhere_and_history_survives_restart(spikes_run):
+    cfg, run_id = spikes_run
+    assert_resumed(cfg.tracking.uri, run_id, [0, 35])
+    skips = events(cfg.tracking.uri, run_id, "skipped_step")
+    assert [e["step"] for e in skips] == [15, 30, 45]  # the 45 skip needs the 20-step history from the checkpoint
+    spikes = [e for e in skips if e["step"] in (30, 45)]
+    assert len(spikes) == 2 and all(e["grad_norm"] > 10 * e["median"] for e in spikes)
+    assert MlflowClient(cfg.tracking.uri).get_run(run_id).data.metrics["skipped_steps"] == 3
+    assert events(cfg.tracking.uri, run_id, "replica_mismatch") == []  # replicas identical, checked every 5 steps
+    assert_all_finite(cfg, 50)
+
+
+def test_rank_check_flags_a_tenfold_loss_and_nan_is_skipped(spikes_run):
+    cfg, run_id = spikes_run
+    alerts = events(cfg.tracking.uri, run_id, "rank_spread")
+    assert [a["step"] for a in alerts] == [10, 30, 45]  # the x10 loss, then the two x1000 spikes; not the NaN
+    loss_by_rank = [row[0] for row in alerts[0]["loss_grad_norm_by_rank"]]
+    assert loss_by_rank[1] > 5 * loss_by_rank[0]
+    assert 15 in [e["step"] for e in events(cfg.tracking.uri, run_id, "skipped_step")]  # NaN on rank 0, skipped on both
+    assert_all_finite(cfg, 50)  # the NaN step changed no weight
+
+
+def test_clean_run_raises_no_alert(reference):
+    """The reference run carries every guard at a short interval (conftest `GUARDED`)."""
+    cfg, run_id, _ = reference
+    assert cfg.guards.rank_check.interval_steps == 1 and cfg.guards.on_alert == "restart"
     assert (
         events(cfg.tracking.uri, run_id, "rank_spread") == []
         and events(cfg.tracking.uri, run_id, "replica_mismatch") == []
@@ -75,32 +91,21 @@ def test_clean_run_raises_no_alert(clean_60):
     assert "restarts" not in MlflowClient(cfg.tracking.uri).get_run(run_id).data.metrics
 
 
-def test_bitflip_is_detected_and_the_run_restarts_from_a_clean_checkpoint(tmp_path, dataset, clean_60):
-    clean_cfg, _ = clean_60
+def test_bitflip_is_detected_and_the_run_restarts_from_a_clean_checkpoint(tmp_path, dataset, reference):
+    """Flip at 15 (a save step): only the replica check before that save can see it (the next
+    interval check is at 21), so no checkpoint holds diverged replicas; flip at 26: the interval
+    check at 28, before the save of 30."""
     cfg = make_config(
         tmp_path,
         dataset,
-        *GUARDED_60,
-        "faults=[{kind: bitflip, step: 42, rank: 1}]",
+        "train.max_steps=30",
+        *GUARDED,
+        "faults=[{kind: bitflip, step: 15, rank: 1}, {kind: bitflip, step: 26, rank: 1}]",
     )
     run_id = run(cfg)
-    assert [e["step"] for e in events(cfg.tracking.uri, run_id, "replica_mismatch")] == [45]
-    assert_resumed(cfg.tracking.uri, run_id, [0, 40])
-    assert_same_state(final_state(cfg, 60), final_state(clean_cfg, 60))
-
-
-def test_rank_check_flags_a_tenfold_loss_and_nan_is_skipped(tmp_path, dataset):
-    faults = "faults=[{kind: spike, step: 10, rank: 1, factor: 10.0}, {kind: nan, step: 15, rank: 0}]"
-    cfg = make_config(tmp_path, dataset, "train.max_steps=20", "guards.rank_check.interval_steps=1", faults)
-    run_id = run(cfg)
-    alerts = events(cfg.tracking.uri, run_id, "rank_spread")
-    assert [a["step"] for a in alerts] == [10]
-    loss_by_rank = [row[0] for row in alerts[0]["loss_grad_norm_by_rank"]]
-    assert loss_by_rank[1] > 5 * loss_by_rank[0]
-    assert [e["step"] for e in events(cfg.tracking.uri, run_id, "skipped_step")] == [
-        15
-    ]  # NaN on rank 0, skipped on both
-    assert all(torch.isfinite(w).all() for w in weights(cfg, 20).values())
+    assert [e["step"] for e in events(cfg.tracking.uri, run_id, "replica_mismatch")] == [15, 28]
+    assert_resumed(cfg.tracking.uri, run_id, [0, 10, 25])
+    assert_same_state(final_state(cfg, 30), reference[2])
 
 
 def test_persistent_spikes_roll_back_and_skip_the_data_window(tmp_path, dataset):

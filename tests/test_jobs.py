@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,7 +14,7 @@ import urllib.request
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import COMMITTED, REPO, assert_resumed, make_config
+from conftest import COMMITTED, REPO, assert_resumed, events, make_config
 from raytrain_ft.errors import ConfigError
 from raytrain_ft.launch.trainer import preflight
 
@@ -162,3 +163,45 @@ def test_a_stopped_run_is_killed_in_mlflow_and_a_resubmission_finishes_it(tmp_pa
     assert runs[0].info.run_id == stopped.info.run_id
     # one value per step, the stopped attempt's unpublished ones included (recovered from live/loss)
     assert sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")) == list(range(1, 21))
+
+
+def committed_steps(snapshot) -> list[int]:
+    """Steps of the checkpoints Ray Train registered (its `checkpoint_manager_snapshot.json`)."""
+    return sorted({int(s) for s in re.findall(r'"step-(\d+)"', snapshot.read_text())})
+
+
+def test_resubmission_after_the_driver_died_resumes_the_same_run(tmp_path, dataset):
+    """SIGKILL of the whole job (driver, its Ray instance, the workers, the MLflow client): nothing
+    can clean up or record anything. The same command again resumes from the last checkpoint Ray
+    had registered, into the same MLflow run, and finishes it."""
+    args = run_args(tmp_path, dataset, "run.name=killed", "train.max_steps=20", "checkpoint.interval_steps=5")
+    args.append("faults=[{kind: slow, step: 11, steps: 10, seconds: 0.5, rank: -1}]")  # the kill comes mid-run
+    proc = subprocess.Popen(
+        [sys.executable, PRETRAIN, "--config", TINY, *args],
+        env=ENV,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    snapshot = tmp_path / "runs" / "killed" / "checkpoint_manager_snapshot.json"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (snapshot.exists() and 10 in committed_steps(snapshot)):
+        time.sleep(0.5)
+    kill_session(proc.pid)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    committed = max(committed_steps(snapshot))
+    assert 10 <= committed < 20
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    [killed] = client.search_runs([client.get_experiment_by_name("raytrain-ft").experiment_id])
+    assert killed.info.status == "RUNNING"  # nobody was left to end it
+
+    r = pretrain(*args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = client.search_runs([client.get_experiment_by_name("raytrain-ft").experiment_id])
+    assert [run.info.run_id for run in runs] == [killed.info.run_id] and runs[0].info.status == "FINISHED"
+    # Ray's snapshot is the record of what committed: the values the killed tracking actor still held
+    # (the commit's goodput metrics among them) died with it, so `assert_resumed` has no MLflow evidence
+    attempts = events(f"sqlite:///{tmp_path / 'mlflow.db'}", killed.info.run_id, "attempt_start")
+    assert [a["resumed_from"] for a in attempts] == [0, committed]
+    assert os.path.exists(tmp_path / "runs" / "killed" / "step-20" / ".metadata")

@@ -18,11 +18,18 @@ pytestmark = pytest.mark.usefixtures("ray_local")
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 6 MB tmpfs: two 2.2 MB tiny checkpoints fit, a third does not."""
+    """A 6 MB tmpfs: two 2.2 MB tiny checkpoints fit, a third does not.
+
+    A real filesystem that fills up (ENOSPC from the kernel, `statvfs` free space for the pre-save
+    check) is the only faithful full disk: a mocked filesystem would not exercise DCP's writer or
+    `shutil.disk_usage`. Mounting needs root (or CAP_SYS_ADMIN), as CI and the dev machines run;
+    where the mount is denied the test fails and says so, instead of skipping out of sight.
+    """
     mount = tmp_path / "small"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)], capture_output=True).returncode:
-        pytest.skip("needs permission to mount a small tmpfs")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.fail(f"cannot mount a 6 MB tmpfs (needs root or CAP_SYS_ADMIN): {r.stderr.strip()}")
     yield mount
     subprocess.run(["umount", "-l", str(mount)], check=False)
 

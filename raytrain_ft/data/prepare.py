@@ -210,6 +210,7 @@ def read_documents(
         if doc is None:
             del readers[k], sizes[k], urls[k]
             continue
+        assert index is not None  # a document always comes with its index
         if held_out is not None and (document_key(seed, urls[k], index) <= held_out) != validation:
             continue
         docs.append(doc)
@@ -247,7 +248,7 @@ def draw_validation(tasks: ray.data.Dataset, settings: PrepareSettings) -> list[
     if settings.validation_max_docs == 0 or settings.validation_fraction == settings.validation_min_docs == 0:
         return []
     counts = tasks.map_batches(
-        document_keys,
+        document_keys,  # type: ignore[arg-type]  # Ray's annotation has no room for fn_kwargs
         batch_size=1,
         num_cpus=IO_CPUS,
         fn_kwargs={"seed": settings.seed, "keep": settings.validation_max_docs},
@@ -450,7 +451,7 @@ def _pack(docs: ray.data.Dataset, tok: Tokenizer, eos: str, settings: PrepareSet
     """Tokenize, pack and write `docs` as shards in `folder`; the shards' stats (`ShardSink.write`)."""
     sink = ShardSink(folder, settings.rows_per_row_group)
     rows = docs.map_batches(
-        tokenize_and_pack,
+        tokenize_and_pack,  # type: ignore[arg-type]  # Ray's annotation has no room for fn_kwargs
         batch_size=PACK_BATCH_DOCS,
         fn_kwargs={"tokenizer_json": tok.to_str(), "eos_id": tok.token_to_id(eos), "seq_len": settings.seq_len},
     )
@@ -477,7 +478,8 @@ def _run(files, pattern, output, fs, out, settings, given, fp, started) -> Prepa
         tasks = _read_tasks(groups)
         held_out = draw_validation(tasks, settings)
         split = {"seed": settings.seed, "held_out": held_out[-1] if held_out else None}
-        docs = tasks.map_batches(read_documents, batch_size=1, num_cpus=IO_CPUS, fn_kwargs=split)
+        # Ray's annotation of a batch function has no room for its fn_kwargs parameters
+        docs = tasks.map_batches(read_documents, batch_size=1, num_cpus=IO_CPUS, fn_kwargs=split)  # type: ignore[arg-type]
         if given:
             tok, eos = given
         else:
@@ -495,7 +497,10 @@ def _run(files, pattern, output, fs, out, settings, given, fp, started) -> Prepa
                 [kept[i : i + FILES_PER_READ_TASK] for i in range(0, len(kept), FILES_PER_READ_TASK)]
             )
             val_docs = val_tasks.map_batches(
-                read_documents, batch_size=1, num_cpus=IO_CPUS, fn_kwargs={**split, "validation": True}
+                read_documents,  # type: ignore[arg-type]  # Ray's annotation has no room for fn_kwargs
+                batch_size=1,
+                num_cpus=IO_CPUS,
+                fn_kwargs={**split, "validation": True},
             )
             validation_results = _pack(val_docs, tok, eos, settings, f"{output.rstrip('/')}/{VALIDATION_FOLDER}")
     except Exception as e:  # a DataError raised in a Ray task reaches us as text inside Ray's error

@@ -24,8 +24,8 @@ def describe(exc: BaseException) -> str:
 
 
 def innermost(exc: BaseException) -> BaseException:
-    while getattr(exc, "cause", None) is not None and exc.cause is not exc:
-        exc = exc.cause
+    while (cause := getattr(exc, "cause", None)) is not None and cause is not exc:
+        exc = cause
     return exc
 
 

@@ -10,6 +10,7 @@ micro-batches.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 
 import ray.data
 import torch
@@ -37,6 +38,11 @@ PREFETCH_BLOCKS = 4  # read tasks' blocks read ahead of training
 ROWS_PER_READ_TASK = 512  # consecutive pieces share a read task (and its opened files) up to this many rows
 
 
+def _read(order: EpochOrder, pieces: list[Piece]) -> list:
+    """One read task's blocks: the rows of `pieces`, in order (one pyarrow table)."""
+    return [order.read(pieces)]
+
+
 class EpochDatasource(Datasource):
     def __init__(self, order: EpochOrder, pieces: list[Piece]):
         self.order, self.pieces = order, pieces
@@ -50,7 +56,7 @@ class EpochDatasource(Datasource):
             group.append(piece)
             if sum(p.num_rows for p in group) >= ROWS_PER_READ_TASK or piece is self.pieces[-1]:
                 rows = sum(p.num_rows for p in group)
-                tasks.append(ReadTask(lambda g=group: [order.read(g)], BlockMetadata(rows, None, None, None)))
+                tasks.append(ReadTask(partial(_read, order, group), BlockMetadata(rows, None, None, None)))
                 group = []
         return tasks
 

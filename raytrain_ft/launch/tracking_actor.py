@@ -44,7 +44,7 @@ class TrackingActor:
 
     def call(self, path: str, args: tuple, kwargs: dict) -> Any:
         """`self.logger.<path>(*args, **kwargs)`; `path` is a method name or `timeline.<method>`."""
-        target = self.logger
+        target: Any = self.logger
         for name in path.split("."):
             target = getattr(target, name)
         return target(*args, **kwargs)
@@ -59,7 +59,7 @@ def start_tracking_actor(uri: str, run_id: str) -> ray.actor.ActorHandle:
     which outlives the worker nodes that come and go (a preempted node would take the actor and
     its queued values with it)."""
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return TrackingActor.options(scheduling_strategy=here).remote(uri, run_id)
+    return TrackingActor.options(scheduling_strategy=here).remote(uri, run_id)  # type: ignore[attr-defined]
 
 
 def close(actor: ray.actor.ActorHandle, timeout_s: float = 60.0) -> None:

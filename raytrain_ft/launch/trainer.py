@@ -106,7 +106,7 @@ def extend(run_root: str, max_steps: int, logger: RunLogger) -> dict:
     }
     record_extension(run_root, record)
     logger.event("extended", **record)
-    logger.tags({"max_steps": max_steps})
+    logger.tags({"max_steps": str(max_steps)})
     return record
 
 
@@ -155,8 +155,9 @@ def _torch_trainer(cfg: Config, tracking, run_id: str, run_root: str, max_failur
     return TorchTrainer(
         train_func,
         train_loop_config={"config": to_dict(cfg), "tracking": tracking, "mlflow_run_id": run_id},
-        scaling_config=ScalingConfig(
-            num_workers=lo if lo == hi else (lo, hi),
+        # mypy reads ray.train's Ray Train v1 names; v2 (the default, which this needs) exports its own
+        scaling_config=ScalingConfig(  # type: ignore[call-arg]
+            num_workers=lo if lo == hi else (lo, hi),  # type: ignore[arg-type]
             use_gpu=cfg.scaling.use_gpu,
             resources_per_worker={"CPU": cfg.scaling.cpus_per_worker, **({"GPU": 1} if cfg.scaling.use_gpu else {})},
             elastic_resize_monitor_interval_s=cfg.scaling.resize_check_interval_s,
@@ -169,7 +170,7 @@ def _torch_trainer(cfg: Config, tracking, run_id: str, run_root: str, max_failur
             storage_path=cfg.run.storage_path,
             failure_config=FailureConfig(max_failures=max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
-            callbacks=[RunRecorder(tracking, run_root)],
+            callbacks=[RunRecorder(tracking, run_root)],  # type: ignore[list-item]
         ),
     )
 
@@ -250,7 +251,7 @@ def _record_group_start_failure(logger: RunLogger, e: BaseException) -> None:
     merged into the failure before it (`raytrain_ft.recovery.failures`). Which rank died is not
     known here."""
     latest = logger.latest_metrics()
-    cause = f"a worker died while the worker group started ({plain_cause(e.controller_failure)})"
+    cause = f"a worker died while the worker group started ({plain_cause(getattr(e, 'controller_failure', e))})"
     logger.tags({"last_failure_cause": cause})
     logger.event(
         "failure",

@@ -85,4 +85,4 @@ def train_func(args: dict) -> None:
     """`train_loop_per_worker` of the `TorchTrainer` (args: config dict, `TrackingActor`, MLflow run id)."""
     cfg = from_dict(args["config"])
     session = RaySession(cfg.data.path, cfg.train.seed, args["tracking"], args["mlflow_run_id"])
-    loop.train(cfg, session)
+    loop.train(cfg, session)  # type: ignore[arg-type]  # its run_logger is a RunLogger proxy (RemoteRunLogger)

@@ -2,7 +2,9 @@
 one worker per node, at a world size (3) that divides neither the global batch of 8 nor its 4 lanes.
 
 Run by tests/test_elastic.py in a subprocess (a Cluster needs a process without another Ray
-instance). Usage: python elastic.py DATASET WORKDIR. Prints one JSON line with what happened.
+instance). Usage: python elastic.py DATASET WORKDIR. Prints one JSON line with what happened: the run
+id, whether `run` returned it, the `world_size` metric's values (each attempt logs it once, oldest first)
+just before the node was added back and at the end, and the steps of the preemption checkpoints.
 """
 
 from __future__ import annotations
@@ -68,7 +70,6 @@ def main(dataset: str, workdir: str) -> None:
     trainer = threading.Thread(target=lambda: result.update(run_id=run(cfg)))
     trainer.start()
     # Cluster changes must come from the main thread (Ray installs signal handlers there).
-    events = []
     snapshot = Path(run_root, "checkpoint_manager_snapshot.json")
     while not (snapshot.exists() and '"step-20"' in snapshot.read_text()):
         time.sleep(0.5)
@@ -98,18 +99,18 @@ def main(dataset: str, workdir: str) -> None:
         time.sleep(0.5)
     # ... then the node goes.
     cluster.remove_node(worker_node, allow_graceful=False)
-    events.append("removed")
     while 2 not in world_sizes(cfg.tracking.uri, run_id) and trainer.is_alive():
         time.sleep(1)
+    sizes_before_add = world_sizes(cfg.tracking.uri, run_id)  # what was observed, not what was done
     cluster.add_node(num_cpus=1)
-    events.append("added")
     trainer.join()
     print(
         json.dumps(
             {
                 "run_id": run_id,
                 "finished": result.get("run_id") == run_id,
-                "events": events,
+                "world_sizes_before_add": sizes_before_add,
+                "world_sizes": world_sizes(cfg.tracking.uri, run_id),
                 "preemption_steps": [e["step"] for e in logger.events() if e["kind"] == "preemption_checkpoint"],
             }
         )

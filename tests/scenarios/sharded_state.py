@@ -13,8 +13,8 @@ OUT/result.json always gets {"world_size": 2, ...}.
   tokens, the same under both strategies), `Parallel.clip_grad_norm_`, one AdamW step, then every
   rank's summed bytes of its parameters, gradients and optimizer-state tensors (local shards) go to
   OUT/result.json as {"PRESET/STRATEGY": [[params, grads, optimizer] per rank]}, and the grad norm
-  each rank got as {"grad_norm/PRESET/STRATEGY": [norm per rank]}, and the fresh model's weights
-  before that step as {"initial_checksums/PRESET/STRATEGY": [float64 sum of each full parameter]}.
+  each rank got as {"grad_norm/PRESET/STRATEGY": [norm per rank]}; the fresh model's full weights
+  before that step go (rank 0) to OUT/initial-PRESET-STRATEGY.pt (`torch.save` of the state dict).
 """
 
 from __future__ import annotations
@@ -55,11 +55,12 @@ def load_full(out: str, name: str, checkpoint: str, strategy: str) -> None:
         torch.save({**model, **tensors}, os.path.join(out, f"{name}.pt"))
 
 
-def state_bytes(preset: str, vocab: int, seq_len: int, strategy: str) -> tuple[list[int], float, list[float]]:
+def state_bytes(out: str, preset: str, vocab: int, seq_len: int, strategy: str) -> tuple[list[int], float]:
     cfg = load_config(None, [f"model.preset={preset}", f"parallel.strategy={strategy}"])
     par, optimizer = build(cfg, vocab, seq_len, torch.device("cpu"), resuming=False)
     initial = get_model_state_dict(par.model, options=FULL)  # on rank 0 only
-    checksums = [float(t.double().sum()) for t in initial.values()]
+    if dist.get_rank() == 0:
+        torch.save(initial, os.path.join(out, f"initial-{preset}-{strategy}.pt"))
     tokens = torch.randint(0, vocab, (1, seq_len + 1), generator=torch.Generator().manual_seed(dist.get_rank()))
     with par.micro_batch(last=True):
         lm_loss(par.module, tokens).backward()
@@ -68,7 +69,7 @@ def state_bytes(preset: str, vocab: int, seq_len: int, strategy: str) -> tuple[l
     params = list(par.model.parameters())
     optim = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     sizes = [sum(local(t).numel() * t.element_size() for t in ts) for ts in (params, [p.grad for p in params], optim)]
-    return sizes, norm, checksums
+    return sizes, norm
 
 
 def worker(rank: int, store: str, out: str, loads: list[str], sizes: list[str]) -> None:
@@ -79,12 +80,11 @@ def worker(rank: int, store: str, out: str, loads: list[str], sizes: list[str]) 
     for spec in sizes:
         preset, vocab, seq_len = spec.split("=")
         for strategy in ("ddp", "fsdp"):
-            result = state_bytes(preset, int(vocab), int(seq_len), strategy)
+            result = state_bytes(out, preset, int(vocab), int(seq_len), strategy)
             rows = [None] * WORLD_SIZE
             dist.all_gather_object(rows, result)
             measured[f"{preset}/{strategy}"] = [r[0] for r in rows]
             measured[f"grad_norm/{preset}/{strategy}"] = [r[1] for r in rows]
-            measured[f"initial_checksums/{preset}/{strategy}"] = rows[0][2]
     if rank == 0:
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump({"world_size": WORLD_SIZE, **measured}, f)

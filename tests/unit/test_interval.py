@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from conftest import REPO
 from raytrain_ft.interval import (
     CheckpointSchedule,
     cluster_mtbf_s,
@@ -22,7 +22,6 @@ from raytrain_ft.interval import (
     young_interval_s,
 )
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COST_S = 300.0  # a 5-minute checkpoint (docs/fault-tolerance.md)
 MTBF_S = 36_000.0  # 10,000 h per GPU / 1,000 GPUs = 10 h
 WORK_S = 30 * 86_400.0  # a month of useful compute

@@ -1,0 +1,141 @@
+"""Two gloo ranks (torch only, no Ray): one rank's checkpoint write fails after the other finished its own.
+
+Run by tests/test_commit_gating.py in a subprocess. Usage: python commit_gating.py OUT
+
+Each rank builds a `Checkpointer` on OUT/run with the loop's commit protocol: `save`, then `poll`
+once per "step" (as `loop.Trainer.step` does) until the save commits or fails. The commit callback
+records the step, and rank 0 writes the committed path to OUT/run/latest (as `LocalSession.commit`).
+
+1. Step 5 saves and commits on both ranks.
+2. Step 10: rank 0 writes at once; rank 1's writer first sleeps 1 s (`write_delay_s`, the
+   `slow_save` fault's writer) and then fails for real: its soft `RLIMIT_FSIZE` is 4 KiB, below its
+   16 KiB shard, so the kernel refuses the write with EFBIG (SIGXFSZ ignored), which torch's writer
+   reports as a short write ("unexpected pos").
+3. "Restart": each rank builds a fresh state and `restore_latest` loads what the session names.
+
+OUT/result.json: per rank, the steps committed, the error type of the failed save (or null), when
+rank 0's own file of step 10 was complete relative to the failure (seconds), the step restored and
+whether the restored tensors equal the ones saved at step 5.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from raytrain_ft.checkpoint import Checkpointer, restore_latest
+from raytrain_ft.train_state import KEY_META, KEY_MODEL, ModelState, RunMeta, TrainState
+
+WORLD_SIZE = 2
+FSIZE_LIMIT = 4096  # bytes: below each rank's own 64x64 float32 weight (16 KiB in its DCP file)
+
+
+class FileSession:
+    """The two members of `Session` that `restore_latest` uses: the run folder and the committed path."""
+
+    def __init__(self, run_root: str):
+        self.run_root = run_root
+
+    def latest_checkpoint(self) -> str | None:
+        path = os.path.join(self.run_root, "latest")
+        return open(path).read() if os.path.exists(path) else None
+
+
+def make_state(rank: int, seed: int) -> TrainState:
+    torch.manual_seed(seed)
+    state = TrainState(rank)
+    state.add(KEY_META, RunMeta({"model": "test"}))
+    state.add(KEY_MODEL, ModelState(torch.nn.Linear(8, 8)))  # replicated (same seed): DCP writes it once
+    torch.manual_seed(seed + 1 + rank)
+    state.add(f"rank{rank}", ModelState(torch.nn.Linear(64, 64, bias=False)))  # each rank writes its own
+    return state
+
+
+def tensors(state: TrainState) -> dict[str, torch.Tensor]:
+    return {
+        f"{k}.{n}": t.clone() for k, c in state.components.items() if k != KEY_META for n, t in c.state_dict().items()
+    }
+
+
+def save_and_poll(ckpt: Checkpointer, step: int, state: TrainState, delay_s: float) -> tuple[str | None, float]:
+    """Save `step` and poll until it commits; return (`Type: message` if it failed, when it ended)."""
+    ckpt.save(step, state, write_delay_s=delay_s)
+    while True:
+        try:
+            if ckpt.poll() is not None:
+                return None, time.time()
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            return f"{type(e).__name__}: {e}", time.time()
+        time.sleep(0.05)
+
+
+def worker(rank: int, store: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD_SIZE)
+    root = os.path.join(out, "run")
+    committed: list[int] = []
+
+    def commit(step: int, path: str) -> None:
+        committed.append(step)
+        if rank == 0:
+            with open(os.path.join(root, "latest.tmp"), "w") as f:
+                f.write(path)
+            os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+
+    state = make_state(rank, seed=0)
+    ckpt = Checkpointer(root, commit)
+    first_error, _ = save_and_poll(ckpt, 5, state, 0.0)
+    saved_at_5 = tensors(state)
+    with torch.no_grad():  # training goes on: the state of step 10 differs
+        for c in state.components.values():
+            if isinstance(c, ModelState):
+                for p in c.model.parameters():
+                    p.add_(1.0)
+    if rank == 1:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE_LIMIT, hard))
+    error, ended = save_and_poll(ckpt, 10, state, 1.0 if rank == 1 else 0.0)
+    if rank == 1:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    own_file = os.path.join(root, "step-10", f"__{rank}_0.distcp")
+    own_done = os.path.getmtime(own_file) - ended if os.path.exists(own_file) else None
+    dist.barrier()
+
+    restored = make_state(rank, seed=100)  # a restarted rank: other weights until the load
+    loaded, _ = restore_latest(Checkpointer(root, commit), restored, FileSession(root), logger=None)
+    result = {
+        "first_error": first_error,
+        "committed": committed,
+        "error": error,
+        "own_file_written_s_before_failure": None if own_done is None else -own_done,
+        "restored_step": loaded,
+        "tensors_restored": sorted(tensors(restored)),
+        "tensors_equal_to_step_5": sorted(k for k, v in tensors(restored).items() if torch.equal(v, saved_at_5[k])),
+        "step_10_left": os.path.exists(os.path.join(root, "step-10")),
+    }
+    rows: list = [None] * WORLD_SIZE
+    dist.all_gather_object(rows, result)
+    if rank == 0:
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    out = sys.argv[1]
+    os.makedirs(os.path.join(out, "run"), exist_ok=True)
+    store = os.path.join(tempfile.mkdtemp(), "store")
+    mp.spawn(worker, args=(store, out), nprocs=WORLD_SIZE)
+
+
+if __name__ == "__main__":
+    main()
