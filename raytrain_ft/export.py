@@ -163,7 +163,7 @@ def export_checkpoint(
     metadata, the model built on the meta device, the tokenizer), never the whole model unless it fits
     one file. The embedding and the output layer are the largest tensors (vocab x hidden x 4 bytes: 262 MB
     for the `1b` preset at vocab 32000). `benchmarks/export_memory.py` and
-    `tests/unit/test_export.py` measure the peak RSS against it.
+    `tests/unit/test_export_folder.py` measure the peak RSS against it.
 
     Returns:
         `Export`: the folder, the checkpoint's step and MLflow run id, the weight files and bytes.

@@ -1,5 +1,5 @@
 """`raytrain-ft export` of real runs (Ray, tiny preset): `transformers` loads the folder and computes
-what the training model computes (`--register`: tests/unit/test_export.py).
+what the training model computes (`--register`: tests/unit/test_export_folder.py).
 
 Each run trains 10 steps: FSDP at 2 workers, DDP at 1. The training side of each comparison is
 restored by the project's own restore (`Checkpointer.restore`, in a one-rank gloo group); the other
