@@ -220,7 +220,7 @@ def settle_buckets(par: Parallel, seq_len: int, device: torch.device) -> None:
     """
     par.model.eval()
     tokens = torch.zeros((1, seq_len + 1), dtype=torch.int64, device=device)
-    with par.micro_batch(last=True):
+    with torch.enable_grad(), par.micro_batch(last=True):  # a caller may build under no_grad (evaluation)
         (lm_loss(par.module, tokens) * 0.0).backward()
     par.model.zero_grad(set_to_none=True)
     par.model.train()
