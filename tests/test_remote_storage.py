@@ -62,6 +62,10 @@ def test_s3_data_and_checkpoints_resume_to_the_local_weights(tmp_path, s3_env, r
             "512",
             "--rows-per-row-group",
             "2",
+            "--validation-fraction",  # no held-out split: the same corpus as the local `dataset` fixture
+            "0",
+            "--validation-min-docs",
+            "0",
         ],
         capture_output=True,
         text=True,
