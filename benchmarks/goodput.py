@@ -60,8 +60,8 @@ from raytrain_ft.config import load_config
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.prepare import PrepareSettings, prepare
 from raytrain_ft.interval import daly_interval_s, expected_waste_fraction
+from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV, run
 from raytrain_ft.launch.run_files import worker_records, write_worker_record
-from raytrain_ft.launch.trainer import RAY_NODE_ENV, WORKER_ENV, run
 from raytrain_ft.model import build_model, lm_loss
 from raytrain_ft.recovery import failures, recovery_rows
 from raytrain_ft.tracking import GOODPUT_SUMMARY, RunLogger, steps_logged_since

@@ -99,7 +99,7 @@ def main() -> int:
         def forward_backward() -> torch.Tensor:
             optimizer.zero_grad(set_to_none=True)
             with par.micro_batch(last=True):
-                loss = lm_loss(par.module, tokens)
+                loss = lm_loss(par.forward_module, tokens)
             loss.backward()
             return loss
 

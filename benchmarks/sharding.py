@@ -57,7 +57,7 @@ def worker(rank: int, args, root: str, out: str) -> None:
 
     def forward_backward(par) -> None:
         with par.micro_batch(last=True):
-            lm_loss(par.module, tokens).backward()
+            lm_loss(par.forward_module, tokens).backward()
 
     def step(par, optimizer) -> None:
         forward_backward(par)

@@ -294,9 +294,9 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _extend(args: argparse.Namespace) -> int:
-    """Record a new `train.max_steps` for a wsd run (see `raytrain_ft.launch.trainer.extend`)."""
+    """Record a new `train.max_steps` for a wsd run (see `raytrain_ft.launch.driver.extend`)."""
     from raytrain_ft.errors import UserError
-    from raytrain_ft.launch.trainer import extend
+    from raytrain_ft.launch.driver import extend
     from raytrain_ft.tracking import RunLogger
 
     client = _store(args.tracking_uri)

@@ -38,8 +38,29 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class ReplicaMismatchError(RuntimeError):
-    """A guard alert under `guards.on_alert: restart`: Ray restarts from the last checkpoint."""
+class GuardError(RuntimeError):
+    """A guard ended the attempt: Ray restarts the worker group from the last checkpoint. Every
+    cause has its own subclass; a handler of any guard stop catches this base."""
+
+
+class ReplicaMismatchError(GuardError):
+    """Two replicas of one shard hold different weights (`replica_mismatch`), under `guards.on_alert: restart`."""
+
+
+class RankSpreadError(GuardError):
+    """The ranks' loss or grad norm spread beyond `guards.rank_check.max_spread` (`rank_spread`),
+    under `guards.on_alert: restart`."""
+
+
+class SkipDisagreementError(GuardError):
+    """The ranks reached different spike-guard decisions for one step (their grad norms differ)."""
+
+
+class NoRollbackTargetError(GuardError):
+    """`guards.spike.max_consecutive_skips` skips in a row and no complete checkpoint before the streak."""
+
+
+ALERT_ERRORS: dict[str, type[GuardError]] = {"rank_spread": RankSpreadError, "replica_mismatch": ReplicaMismatchError}
 
 
 @dataclass
@@ -152,7 +173,8 @@ class RankChecks:
     Collectives on `group`: every rank calls them at the same steps and reaches the same decision.
     An alert is logged on every rank and by rank 0 (the one with a `logger`) as an event and a
     `rank_alerts` metric; under `guards.on_alert: restart` every rank calls `settle` (an in-flight,
-    checked checkpoint commits first: less work lost) and raises ReplicaMismatchError.
+    checked checkpoint commits first: less work lost) and raises the alert's `GuardError`
+    (`RankSpreadError`, `ReplicaMismatchError`).
     """
 
     def __init__(
@@ -195,4 +217,4 @@ class RankChecks:
             self.logger.metrics(step, {"rank_alerts": 1})
         if self.cfg.on_alert == "restart":
             self.settle()
-            raise ReplicaMismatchError(f"step {step}: {kind} {detail}")
+            raise ALERT_ERRORS[kind](f"step {step}: {kind} {detail}")

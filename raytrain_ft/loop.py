@@ -35,7 +35,7 @@ from raytrain_ft.data.position import BatchPlan, DataPosition
 from raytrain_ft.errors import ConfigError, StorageFullError, end_run
 from raytrain_ft.faults import FaultInjector
 from raytrain_ft.goodput import GoodputLedger, StepAccount
-from raytrain_ft.guards import RankChecks, ReplicaMismatchError, RollbackLog, SpikeGuard
+from raytrain_ft.guards import NoRollbackTargetError, RankChecks, RollbackLog, SkipDisagreementError, SpikeGuard
 from raytrain_ft.hooks import StepHook, StepHooks, StepResult
 from raytrain_ft.interval import CheckpointSchedule, planning_mtbf_s
 from raytrain_ft.model import lm_loss
@@ -143,7 +143,7 @@ def forward_backward(par: Parallel, plan: BatchPlan, passes: list[dict], loss_fa
         n = len(mb["tokens"])
         tokens = (mb["tokens"] if n else passes[0]["tokens"][:1]).to(device, non_blocking=True)
         with par.micro_batch(last=i == len(passes) - 1):
-            micro_loss = lm_loss(par.module, tokens) * (loss_factor * plan.pass_weight(n))
+            micro_loss = lm_loss(par.forward_module, tokens) * (loss_factor * plan.pass_weight(n))
         micro_loss.backward()
         loss += micro_loss.detach()
     return loss.item()
@@ -160,7 +160,8 @@ def train(cfg: Config, session: Session) -> None:
 
     Raises:
         ConfigError, DataError, CheckpointError: one-line user errors (see `raytrain_ft.errors`).
-        ReplicaMismatchError: a guard alert under `guards.on_alert: restart`.
+        GuardError: a guard ended the attempt (`raytrain_ft.guards`: an alert under
+            `guards.on_alert: restart`, ranks disagreeing on a skip, no checkpoint to roll back to).
     """
     trainer = Trainer(cfg, session)
     try:
@@ -343,7 +344,7 @@ class Trainer:
         totals = torch.tensor([weighted, float(skip)], dtype=torch.float64)
         dist.all_reduce(totals, group=self.group)  # SUM: global mean loss, and every rank's decision
         if totals[1].item() not in (0, self.world_size):
-            raise ReplicaMismatchError(f"step {step}: ranks disagree on skipping (grad norms differ)")
+            raise SkipDisagreementError(f"step {step}: ranks disagree on skipping (grad norms differ)")
         self.checkpointer.wait_staged()  # the snapshot must be copied before the weights change
         if not skip:
             self.optimizer.step()
@@ -404,7 +405,7 @@ class Trainer:
             (s for s, ok in list_step_dirs(self.session.run_root).items() if ok and s < first_bad), reverse=True
         )
         if not complete:
-            raise ReplicaMismatchError(
+            raise NoRollbackTargetError(
                 f"{self.guard.consecutive} skipped steps in a row and no checkpoint before step {first_bad}"
             )
         target = step_path(self.session.run_root, complete[0])

@@ -1,6 +1,6 @@
 """Everything about a run that can be known before a worker starts: `problems(cfg)`.
 
-One function serves the driver (`raytrain_ft.launch.trainer.preflight` raises the first problem
+One function serves the driver (`raytrain_ft.launch.driver.preflight` raises the first problem
 before `TorchTrainer.fit`) and `raytrain-ft check --config FILE` (prints every problem, one line
 each). It never builds a model's weights and never starts Ray: the config's keys and types are
 checked by `raytrain_ft.config.load_config` before it is called; here come

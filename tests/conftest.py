@@ -24,7 +24,7 @@ from mlflow.tracking import MlflowClient
 from raytrain_ft.checkpoint import load_model_state_dict, load_tensors, step_path
 from raytrain_ft.config import TrainSection, load_config
 from raytrain_ft.data.prepare import PrepareSettings, prepare
-from raytrain_ft.launch.trainer import RAY_NODE_ENV, WORKER_ENV
+from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV
 from raytrain_ft.loop import lr_schedule
 from raytrain_ft.tracking import RunLogger
 
@@ -221,7 +221,7 @@ GUARDED = ["guards.fingerprint.interval_steps=7", "guards.rank_check.interval_st
 def reference(tmp_path_factory, dataset, ray_local):
     """The uninterrupted 30-step run every resume test compares against (with the `GUARDED` settings)."""
     tmp = tmp_path_factory.mktemp("reference")
-    from raytrain_ft.launch.trainer import run
+    from raytrain_ft.launch.driver import run
 
     cfg = make_config(tmp, dataset, "run.name=ref", "train.max_steps=30", "data.audit=true", *GUARDED)
     run_id = run(cfg)

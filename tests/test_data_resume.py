@@ -12,7 +12,7 @@ from conftest import assert_resumed, assert_same_state, final_state, make_config
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import EpochOrder
-from raytrain_ft.launch.trainer import RunFailed, run
+from raytrain_ft.launch.driver import RunFailed, run
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

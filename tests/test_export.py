@@ -21,7 +21,7 @@ from conftest import make_config, run_root
 from raytrain_ft.checkpoint import Checkpointer, step_path
 from raytrain_ft.cli import main
 from raytrain_ft.data.manifest import load_manifest
-from raytrain_ft.launch.trainer import run
+from raytrain_ft.launch.driver import run
 from raytrain_ft.loop import fingerprint
 from raytrain_ft.parallel import build
 from raytrain_ft.train_state import KEY_META, KEY_MODEL, ModelState, RunMeta, TrainState

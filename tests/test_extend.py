@@ -9,7 +9,7 @@ from mlflow.tracking import MlflowClient
 from conftest import assert_resumed, assert_same_state, final_state, make_config, metric_by_step, run_root
 from raytrain_ft.cli import main
 from raytrain_ft.errors import CheckpointError
-from raytrain_ft.launch.trainer import RunFailed, newest_checkpoint, run
+from raytrain_ft.launch.driver import RunFailed, newest_checkpoint, run
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

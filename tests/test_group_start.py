@@ -2,7 +2,7 @@
 
 Ray Train 2.60 ends the run on an `ActorDiedError` raised in its controller's `_start_worker_group`
 (a non-retryable controller error) however many restarts are left; the driver resumes instead
-(`raytrain_ft.launch.trainer.failed_during_group_start`). The kill is placed deterministically by a
+(`raytrain_ft.launch.driver.failed_during_group_start`). The kill is placed deterministically by a
 Ray Train controller callback (`RAY_TRAIN_CALLBACKS`, Ray's own hook for extra callbacks): at the
 second group start, once Ray has launched the train function and before any step, it SIGKILLs rank
 1's process and waits on that actor as the controller does, so the controller raises the same
@@ -22,7 +22,7 @@ from mlflow.tracking import MlflowClient
 from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 
 from conftest import assert_resumed, assert_same_state, final_state, make_config
-from raytrain_ft.launch.trainer import run
+from raytrain_ft.launch.driver import run
 from raytrain_ft.recovery import GROUP_START, failures
 from raytrain_ft.tracking import RunLogger
 

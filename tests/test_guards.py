@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 from conftest import GUARDED, assert_resumed, assert_same_state, events, final_state, make_config
 from raytrain_ft.checkpoint import load_model_state_dict, step_path
 from raytrain_ft.data.audit import read_audit
-from raytrain_ft.launch.trainer import run
+from raytrain_ft.launch.driver import run
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

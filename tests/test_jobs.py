@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from conftest import COMMITTED, REPO, assert_resumed, events, make_config
 from raytrain_ft.errors import ConfigError
-from raytrain_ft.launch.trainer import preflight
+from raytrain_ft.launch.driver import preflight
 
 PRETRAIN = os.path.join(REPO, "jobs", "pretrain.py")
 TINY = os.path.join(REPO, "configs", "tiny.yaml")

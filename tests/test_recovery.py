@@ -22,8 +22,8 @@ from conftest import (
     run_root,
 )
 from raytrain_ft.data.audit import read_audit
+from raytrain_ft.launch.driver import RunFailed, run
 from raytrain_ft.launch.tracking_server import mlflow_server
-from raytrain_ft.launch.trainer import RunFailed, run
 from raytrain_ft.loss_plot import loss_figure
 from raytrain_ft.recovery import KILLED, recovery_rows
 from raytrain_ft.tracking import RUN_ID_FILE, RunLogger

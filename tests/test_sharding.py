@@ -17,7 +17,7 @@ from mlflow.tracking import MlflowClient
 
 from conftest import REPO, assert_resumed, assert_same_state, events, final_state, make_config, metric_by_step, run_root
 from raytrain_ft.data.audit import read_audit
-from raytrain_ft.launch.trainer import RunFailed, run
+from raytrain_ft.launch.driver import RunFailed, run
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -51,7 +51,7 @@ def test_fsdp_run_resumes_bitwise_after_a_kill_and_skips_a_one_rank_nan_everywhe
     assert sorted(loss) == sorted(ref_loss) == list(range(1, 31))
     np.testing.assert_array_equal([loss[s] for s in loss], [ref_loss[s] for s in loss])  # NaN at 8 in both
     # the NaN on rank 1 made the global grad norm NaN on both ranks: both skipped step 8 (else the
-    # skip all-reduce raises ReplicaMismatchError), in both runs
+    # skip all-reduce raises SkipDisagreementError), in both runs
     for c, r in ((cfg, run_id), (ref_cfg, ref_run)):
         assert [e["step"] for e in events(c.tracking.uri, r, "skipped_step")] == [8]
     tags = MlflowClient(ref_cfg.tracking.uri).get_run(ref_run).data.tags

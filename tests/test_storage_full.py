@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 
 from conftest import make_config, step_dirs
 from raytrain_ft.errors import StorageFullError
-from raytrain_ft.launch.trainer import run
+from raytrain_ft.launch.driver import run
 from raytrain_ft.tracking import RUN_ID_FILE, RunLogger
 
 pytestmark = pytest.mark.usefixtures("ray_local")

@@ -16,7 +16,7 @@ from conftest import (
     uninterrupted_lrs,
 )
 from raytrain_ft.data.audit import read_audit
-from raytrain_ft.launch.trainer import run
+from raytrain_ft.launch.driver import run
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 THREE = ("scaling.num_workers=3", "train.max_steps=20", "data.audit=true", "checkpoint.interval_steps=5")

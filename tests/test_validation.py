@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from conftest import STDLIB_JSON, assert_resumed, make_config, metric_by_step
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.prepare import PrepareSettings, prepare, validation_size
-from raytrain_ft.launch.trainer import run
+from raytrain_ft.launch.driver import run
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 VALIDATED = [3, 6, 9, 12, 15, 18]  # validation.interval_steps=3 over 20 steps

@@ -22,7 +22,7 @@ from mlflow.tracking import MlflowClient
 from ray.cluster_utils import Cluster
 
 from raytrain_ft.config import Config, load_config
-from raytrain_ft.launch.trainer import WORKER_ENV, run
+from raytrain_ft.launch.driver import WORKER_ENV, run
 from raytrain_ft.tracking import RunLogger
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
