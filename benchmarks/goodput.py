@@ -1,7 +1,7 @@
 """Goodput and recovery under SIGKILLs at random moments, against the Young/Daly bound and a plain Ray Train restart.
 
 Failures strike like real ones: this script, not the training loop, SIGKILLs a worker process
-(`<run folder>/workers/rank<r>.json`, `raytrain_ft.launch.run_files.worker_records`) at a seeded
+(`<run folder>/workers/rank<r>.json`, `raytrain_ft.run_folder.worker_records`) at a seeded
 random moment: an exponential gap (mean `--mtbf-s`, 60 s) of training after the attempt's first
 step, on a random rank. The loop knows nothing; a save may be in flight.
 
@@ -61,9 +61,9 @@ from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.prepare import PrepareSettings, prepare
 from raytrain_ft.interval import daly_interval_s, expected_waste_fraction
 from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV, run
-from raytrain_ft.launch.run_files import worker_records, write_worker_record
 from raytrain_ft.model import build_model, lm_loss
 from raytrain_ft.recovery import failures, recovery_rows
+from raytrain_ft.run_folder import worker_records, write_worker_record
 from raytrain_ft.tracking import GOODPUT_SUMMARY, RunLogger, steps_logged_since
 from report import default_out, report, scratch
 

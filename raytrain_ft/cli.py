@@ -458,8 +458,8 @@ def _verify(args: argparse.Namespace) -> int:
     (`raytrain_ft.integrity.verify_checkpoint`); one row each. Exit 1 if any is corrupt."""
     import fsspec
 
-    from raytrain_ft.checkpoint import committed_steps, step_path
     from raytrain_ft.integrity import verify_checkpoint
+    from raytrain_ft.run_folder import committed_steps, step_path
 
     fs, _ = fsspec.core.url_to_fs(args.run)
     root = args.run if fs.isdir(args.run) else f"{args.storage_path.rstrip('/')}/{args.run}"

@@ -26,14 +26,15 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from raytrain_ft.checkpoint import Checkpointer, list_step_dirs, peek, restore_latest, step_path
+from raytrain_ft.checkpoint import Checkpointer, peek, restore_latest
 from raytrain_ft.config import Config
 from raytrain_ft.data.audit import DataAudit
 from raytrain_ft.data.manifest import Manifest, load_manifest
 from raytrain_ft.data.order import steps_per_epoch, window_sample_ids
 from raytrain_ft.data.position import BatchPlan, DataPosition
-from raytrain_ft.errors import ConfigError, StorageFullError, end_run
+from raytrain_ft.errors import ConfigError, StorageFullError
 from raytrain_ft.faults import FaultInjector
+from raytrain_ft.fingerprint import fingerprint
 from raytrain_ft.goodput import GoodputLedger, StepAccount
 from raytrain_ft.guards import NoRollbackTargetError, RankChecks, RollbackLog, SkipDisagreementError, SpikeGuard
 from raytrain_ft.hooks import StepHook, StepHooks, StepResult
@@ -41,6 +42,7 @@ from raytrain_ft.interval import CheckpointSchedule, planning_mtbf_s
 from raytrain_ft.model import lm_loss
 from raytrain_ft.parallel import Parallel, build
 from raytrain_ft.recovery import failures
+from raytrain_ft.run_folder import complete_steps, end_run, step_path
 from raytrain_ft.schedule import lr_schedule
 from raytrain_ft.session import Session
 from raytrain_ft.step_metrics import StepMetrics
@@ -68,29 +70,6 @@ from raytrain_ft.validation import Validation
 from raytrain_ft.watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
-
-
-def fingerprint(cfg: Config, manifest: Manifest, num_params: int) -> dict:
-    """What must match between a checkpoint and the run resuming it: model shape, data, data order and
-    LR schedule (a changed seed would re-permute a half-consumed epoch; a changed max_steps would
-    stretch a cosine already half done). To train a wsd run further: `raytrain-ft extend` (raytrain_ft.schedule)."""
-    return {
-        "model.preset": cfg.model.preset,
-        "num_params": num_params,
-        "vocab_size": manifest.vocab_size,
-        "seq_len": manifest.seq_len,
-        "data.fingerprint": manifest.fingerprint,
-        "train.global_batch_size": cfg.train.global_batch_size,
-        "train.micro_batch_size": cfg.train.micro_batch_size,  # the lanes of the data order
-        # the data order and the LR schedule: a resumed run must see the same ones
-        "train.seed": cfg.train.seed,
-        "train.max_steps": cfg.train.max_steps,
-        "train.lr": cfg.train.lr,
-        "train.warmup_steps": cfg.train.warmup_steps,
-        "train.min_lr_ratio": cfg.train.min_lr_ratio,
-        "train.lr_schedule": cfg.train.lr_schedule,
-        "train.decay_steps": cfg.train.decay_steps,
-    }
 
 
 def check_data_fits(cfg: Config, manifest: Manifest) -> None:
@@ -401,14 +380,12 @@ class Trainer:
         """Persistent spikes: reload the last checkpoint before the streak and skip a data window."""
         self.checkpointer.wait()
         first_bad = step - self.guard.consecutive + 1
-        complete = sorted(
-            (s for s, ok in list_step_dirs(self.session.run_root).items() if ok and s < first_bad), reverse=True
-        )
-        if not complete:
+        before = [s for s in complete_steps(self.session.run_root) if s < first_bad]
+        if not before:
             raise NoRollbackTargetError(
                 f"{self.guard.consecutive} skipped steps in a row and no checkpoint before step {first_bad}"
             )
-        target = step_path(self.session.run_root, complete[0])
+        target = step_path(self.session.run_root, before[-1])
         restore_started_at = time.time()
         keep = self.state.components.pop(KEY_ROLLBACKS)  # the rollback record survives the reload
         try:

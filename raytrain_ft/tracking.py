@@ -19,16 +19,15 @@ import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import fsspec
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from raytrain_ft import recovery
 from raytrain_ft.errors import UserError
+from raytrain_ft.run_folder import RUN_ID_FILE, read_run_id, run_file, write_run_id
 from raytrain_ft.timeline import DISCARDED, StepTimeline
 
-RUN_ID_FILE = "mlflow_run_id"
 EVENTS_DIR = "events"
 GOODPUT_SUMMARY = "goodput_summary.json"
 PLOT_MIN_PERIOD_S = 30.0
@@ -67,25 +66,21 @@ def steps_logged_since(client: MlflowClient, run_id: str, since: float) -> list[
 def start_or_resume_run(uri: str, experiment: str, run_root: str, run_name: str, params: dict) -> str:
     """Return the MLflow run id of this training run, creating the run on first submission."""
     client = MlflowClient(uri)
-    fs, base = fsspec.core.url_to_fs(run_root)
-    id_file = f"{base.rstrip('/')}/{RUN_ID_FILE}"
-    if fs.exists(id_file):
-        run_id = fs.cat_file(id_file).decode().strip()
+    run_id = read_run_id(run_root)
+    if run_id is not None:
         try:
             client.update_run(run_id, status="RUNNING")
         except MlflowException:
             raise UserError(
-                f"{id_file} names MLflow run {run_id}, which {uri} does not have; set tracking.uri to the "
-                "store this run logged to (on a cluster: an MLflow server every node reaches)"
+                f"{run_file(run_root, RUN_ID_FILE)} names MLflow run {run_id}, which {uri} does not have; set "
+                "tracking.uri to the store this run logged to (on a cluster: an MLflow server every node reaches)"
             ) from None
         return run_id
     exp = client.get_experiment_by_name(experiment)
     exp_id = exp.experiment_id if exp else client.create_experiment(experiment, _artifact_root(uri), EXPERIMENT_KIND)
     run_id = client.create_run(exp_id, run_name=run_name).info.run_id
     client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
-    fs.makedirs(base, exist_ok=True)
-    with fs.open(id_file, "w") as f:
-        f.write(run_id)
+    write_run_id(run_root, run_id)
     return run_id
 
 

@@ -36,10 +36,9 @@ from conftest import (
     metric_by_step,
     run_root,
 )
-from raytrain_ft.checkpoint import list_step_dirs, step_of
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.launch.driver import run
-from raytrain_ft.launch.run_files import COMMIT_ACK_FILE, worker_records
+from raytrain_ft.run_folder import COMMIT_ACK_FILE, list_step_dirs, step_of, worker_records
 from raytrain_ft.tracking import steps_logged_since
 
 pytestmark = pytest.mark.usefixtures("ray_local")

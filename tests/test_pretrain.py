@@ -20,11 +20,11 @@ from conftest import (
     step_dirs,
     uninterrupted_lrs,
 )
-from raytrain_ft.checkpoint import committed_steps, step_path
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.errors import CheckpointError
 from raytrain_ft.integrity import verify_checkpoint
 from raytrain_ft.launch.driver import RunFailed, run
+from raytrain_ft.run_folder import committed_steps, step_path
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

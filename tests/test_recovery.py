@@ -26,7 +26,8 @@ from raytrain_ft.launch.driver import RunFailed, run
 from raytrain_ft.launch.tracking_server import mlflow_server
 from raytrain_ft.loss_plot import loss_figure
 from raytrain_ft.recovery import KILLED, recovery_rows
-from raytrain_ft.tracking import RUN_ID_FILE, RunLogger
+from raytrain_ft.run_folder import RUN_ID_FILE
+from raytrain_ft.tracking import RunLogger
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

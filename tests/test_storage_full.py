@@ -11,7 +11,8 @@ from mlflow.tracking import MlflowClient
 from conftest import make_config, step_dirs
 from raytrain_ft.errors import StorageFullError
 from raytrain_ft.launch.driver import run
-from raytrain_ft.tracking import RUN_ID_FILE, RunLogger
+from raytrain_ft.run_folder import RUN_ID_FILE
+from raytrain_ft.tracking import RunLogger
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

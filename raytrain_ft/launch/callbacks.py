@@ -8,9 +8,9 @@ import re
 import ray
 from ray.train.v2.api.callback import UserCallback
 
-from raytrain_ft.launch.run_files import write_commit_ack
 from raytrain_ft.launch.tracking_actor import RemoteRunLogger
 from raytrain_ft.recovery import CONSEQUENCE, KILLED, cause_text
+from raytrain_ft.run_folder import write_commit_ack
 
 log = logging.getLogger(__name__)
 TRACKING_TIMEOUT_S = 30.0  # the controller waits this long for each tracking call, then restarts without it

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import time
@@ -13,16 +12,15 @@ from ray.exceptions import RayActorError
 from ray.train import CheckpointConfig, ControllerError, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from raytrain_ft.checkpoint import step_of
 from raytrain_ft.config import Config, to_dict
-from raytrain_ft.errors import CheckpointError, UserError, find_user_error, raise_if_ended
+from raytrain_ft.errors import CheckpointError, UserError, find_user_error
 from raytrain_ft.launch.callbacks import RunRecorder, describe, plain_cause
-from raytrain_ft.launch.run_files import record_extension
 from raytrain_ft.launch.tracking_actor import close, start_tracking_actor
 from raytrain_ft.launch.tracking_server import lasting_path, tracking_store
 from raytrain_ft.launch.worker import train_func
 from raytrain_ft.preflight import newest_checkpoint, problems
 from raytrain_ft.recovery import GROUP_START, failures, root_first, who
+from raytrain_ft.run_folder import raise_if_ended, record_extension, run_root, step_of
 from raytrain_ft.schedule import extension_refusal
 from raytrain_ft.tracking import RunLogger, flatten, resolve_uri, start_or_resume_run
 
@@ -83,7 +81,7 @@ def extend(run_root: str, max_steps: int, logger: RunLogger) -> dict:
     """Record that the run in `run_root` trains on to `max_steps`: in `<run folder>/extensions.json`
     (what the next submission's preflight checks), as an `extended` event and the `max_steps` tag of
     its MLflow run (`logger`); the resumed run adds it to its checkpoints' fingerprint history
-    (`RunMeta.history`). Returns the record (`run_files.read_extensions`).
+    (`RunMeta.history`). Returns the record (`run_folder.read_extensions`).
 
     Raises:
         CheckpointError: no complete checkpoint yet, or the schedule refuses (one line with the reason).
@@ -200,8 +198,8 @@ def _fit(cfg: Config, uri: str) -> str:
     left, `fit()` runs again with the same run name: Ray Train resumes from its committed
     checkpoint, the MLflow run and the tracking actor stay, and the new `fit()` may use only the
     restarts left (`restarts_left`)."""
-    run_root = os.path.join(cfg.run.storage_path, cfg.run.name)
-    run_id = start_or_resume_run(uri, cfg.tracking.experiment, run_root, cfg.run.name, flatten(to_dict(cfg)))
+    root = run_root(cfg.run.storage_path, cfg.run.name)
+    run_id = start_or_resume_run(uri, cfg.tracking.experiment, root, cfg.run.name, flatten(to_dict(cfg)))
     tracking = start_tracking_actor(uri, run_id)  # rank 0's MLflow client, across every restart
     logger = RunLogger(uri, run_id)
     started = time.time()
@@ -212,7 +210,7 @@ def _fit(cfg: Config, uri: str) -> str:
         left = cfg.failure.max_failures
         while True:
             try:
-                _torch_trainer(cfg, tracking, run_id, run_root, left).fit()
+                _torch_trainer(cfg, tracking, run_id, root, left).fit()
                 break
             except Exception as e:
                 if sigterm.signalled or not failed_during_group_start(e) or find_user_error(e):
@@ -237,7 +235,7 @@ def _fit(cfg: Config, uri: str) -> str:
             signal.signal(signal.SIGTERM, previous)
     close(tracking)
     try:
-        raise_if_ended(run_root)  # a worker ended the run with an error no restart cures (a full disk)
+        raise_if_ended(root)  # a worker ended the run with an error no restart cures (a full disk)
     except UserError:
         logger.finish("FAILED")
         raise

@@ -15,8 +15,8 @@ from raytrain_ft.config import from_dict
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.launch.datasource import rank_micro_batches
-from raytrain_ft.launch.run_files import read_commit_ack, write_worker_record
 from raytrain_ft.launch.tracking_actor import RemoteRunLogger
+from raytrain_ft.run_folder import read_commit_ack, write_worker_record
 
 log = logging.getLogger(__name__)
 FLUSH_TIMEOUT_S = 60
