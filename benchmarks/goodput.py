@@ -64,7 +64,7 @@ from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV, run
 from raytrain_ft.model import build_model, lm_loss
 from raytrain_ft.recovery import failures, recovery_rows
 from raytrain_ft.run_folder import worker_records, write_worker_record
-from raytrain_ft.tracking import GOODPUT_SUMMARY, RunLogger, steps_logged_since
+from raytrain_ft.tracking import GOODPUT_SUMMARY, MlflowRecorder, steps_logged_since
 from report import default_out, report, scratch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -161,7 +161,7 @@ def ours(root: str, gaps_s: list[float], mtbf_s: float, step_s: float, tail_s: f
     assert result.get("value") == run_id, "the raytrain-ft run did not finish"
     with open(client.download_artifacts(run_id, GOODPUT_SUMMARY)) as f:
         summary = json.load(f)
-    events = RunLogger(cfg.tracking.uri, run_id).events()
+    events = MlflowRecorder(cfg.tracking.uri, run_id).events()
     detected = [f["time"] for _, f in failures(events)]
     rows = recovery_rows(events)
     assert len(rows) == len(kills), f"{len(kills)} kills but {len(rows)} failures recorded"

@@ -48,7 +48,7 @@ from raytrain_ft.session import Session
 from raytrain_ft.train_state import KEY_META, KEY_MODEL, RunMeta, TrainState, missing_components
 
 if TYPE_CHECKING:
-    from raytrain_ft.tracking import RunLogger
+    from raytrain_ft.recorder import Recorder
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +313,7 @@ def corruption_of(e: BaseException) -> CorruptCheckpointError | None:
 
 
 def restore_latest(
-    checkpointer: Checkpointer, state: TrainState, session: Session, logger: RunLogger | None
+    checkpointer: Checkpointer, state: TrainState, session: Session, recorder: Recorder
 ) -> tuple[int | None, set[str]]:
     """Delete uncommitted saves, then load the committed checkpoint (or an older one if corrupt).
 
@@ -325,8 +325,7 @@ def restore_latest(
         removed = cleanup(session.run_root, committed)
         if removed:
             log.warning("deleted incomplete or uncommitted checkpoints at steps %s", removed)
-            if logger:
-                logger.event("uncommitted_checkpoints_deleted", steps=removed)
+            recorder.event("uncommitted_checkpoints_deleted", steps=removed)
     dist.barrier(group=checkpointer.control_group)
     if latest is None:
         return None, set()
@@ -334,9 +333,8 @@ def restore_latest(
     candidates = [latest] + [step_path(session.run_root, s) for s in older]
 
     def on_corrupt(path: str, reason: str) -> None:
-        if logger:
-            logger.event("corrupt_checkpoint", path=path, reason=reason)
-            logger.tags({"last_corrupt_checkpoint": f"{path}: {reason}"})
+        recorder.event("corrupt_checkpoint", path=path, reason=reason)
+        recorder.tags({"last_corrupt_checkpoint": f"{path}: {reason}"})
 
     loaded, keys = checkpointer.restore(state, candidates, on_corrupt)
     return (step_of(loaded) if loaded else None), keys

@@ -192,11 +192,11 @@ def _history(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from raytrain_ft import recovery
-    from raytrain_ft.tracking import RunLogger
+    from raytrain_ft.tracking import MlflowRecorder
 
     client = _store(args.tracking_uri)
     run = _find_run(client, args.run)
-    events = RunLogger(client.tracking_uri, run.info.run_id).events()
+    events = MlflowRecorder(client.tracking_uri, run.info.run_id).events()
     console = Console(width=200)
     console.print(f"run {run.info.run_name} ({run.info.run_id}), status {run.info.status}")
     for title, rows in (
@@ -297,13 +297,13 @@ def _extend(args: argparse.Namespace) -> int:
     """Record a new `train.max_steps` for a wsd run (see `raytrain_ft.launch.driver.extend`)."""
     from raytrain_ft.errors import UserError
     from raytrain_ft.launch.driver import extend
-    from raytrain_ft.tracking import RunLogger
+    from raytrain_ft.tracking import MlflowRecorder
 
     client = _store(args.tracking_uri)
     run = _find_run(client, args.run)
     run_root = os.path.join(run.data.params["run.storage_path"], run.data.params["run.name"])
     try:
-        record = extend(run_root, args.max_steps, RunLogger(client.tracking_uri, run.info.run_id))
+        record = extend(run_root, args.max_steps, MlflowRecorder(client.tracking_uri, run.info.run_id))
     except UserError as e:
         raise ValueError(str(e)) from None
     print(

@@ -27,7 +27,7 @@ from raytrain_ft.data.prepare import PrepareSettings, prepare
 from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV
 from raytrain_ft.loop import lr_schedule
 from raytrain_ft.run_folder import step_path
-from raytrain_ft.tracking import RunLogger
+from raytrain_ft.tracking import MlflowRecorder
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STDLIB_JSON = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
@@ -138,7 +138,7 @@ COMMITTED = "committed"  # an expected resume step that depends on timing: any s
 
 def events(uri: str, run_id: str, kind: str) -> list[dict]:
     """The run's events of one kind, oldest first."""
-    return [e for e in RunLogger(uri, run_id).events() if e["kind"] == kind]
+    return [e for e in MlflowRecorder(uri, run_id).events() if e["kind"] == kind]
 
 
 def assert_resumed(uri: str, run_id: str, expected: list) -> list[dict]:

@@ -24,7 +24,7 @@ from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 from conftest import assert_resumed, assert_same_state, final_state, make_config
 from raytrain_ft.launch.driver import run
 from raytrain_ft.recovery import GROUP_START, failures
-from raytrain_ft.tracking import RunLogger
+from raytrain_ft.tracking import MlflowRecorder
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 MARKER_ENV = "RAYTRAIN_FT_TEST_KILL_MARKER"  # a file: the kill happened (once per run, across fit() calls)
@@ -56,7 +56,7 @@ def test_a_worker_lost_while_the_group_restarts_is_survived_and_counted(tmp_path
     assert (tmp_path / "killed").exists()
     # the group start killed after the kill at step 7 never reached a step: the next fit() resumed from 5
     assert_resumed(cfg.tracking.uri, run_id, [0, 5])
-    (_, kill), (_, group_start) = failures(RunLogger(cfg.tracking.uri, run_id).events())
+    (_, kill), (_, group_start) = failures(MlflowRecorder(cfg.tracking.uri, run_id).events())
     assert "killed" in kill["causes"]["1"]
     assert group_start["source"] == GROUP_START and "actor died" in group_start["details"][GROUP_START]
     assert MlflowClient(cfg.tracking.uri).get_run(run_id).data.metrics["restarts"] == 2  # both restarts

@@ -15,7 +15,8 @@ from raytrain_ft.config import from_dict
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.launch.datasource import rank_micro_batches
-from raytrain_ft.launch.tracking_actor import RemoteRunLogger
+from raytrain_ft.launch.recorder_actor import WAIT_TIMEOUT_S, RemoteRecorder
+from raytrain_ft.recovery import RunHistory
 from raytrain_ft.run_folder import read_commit_ack, write_worker_record
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ FLUSH_TIMEOUT_S = 60
 class RaySession:
     """`raytrain_ft.session.Session` for a Ray Train worker."""
 
-    def __init__(self, data_path: str, seed: int, tracking: ray.actor.ActorHandle, mlflow_run_id: str):
+    def __init__(self, data_path: str, seed: int, recorder_actor: ray.actor.ActorHandle, mlflow_run_id: str):
         ctx = ray.train.get_context()
         self.rank = ctx.get_world_rank()
         storage = ctx.get_storage()
@@ -35,14 +36,17 @@ class RaySession:
         self.run_root = path if scheme == "local" else f"{scheme}://{path}"  # fsspec URL for DCP and our files
         write_worker_record(self.run_root, self.rank)
         self.data_path, self.seed = data_path, seed
-        self.tracking, self.mlflow_run_id = tracking, mlflow_run_id
+        self.recorder_actor, self.mlflow_run_id = recorder_actor, mlflow_run_id
         self.manifest = load_manifest(data_path)
         self.last_commit: str | None = None
 
-    def run_logger(self, attempt: bool) -> RemoteRunLogger:
+    def recorder(self, attempt: bool) -> RemoteRecorder:
         if attempt:
-            self.tracking.new_attempt.remote()
-        return RemoteRunLogger(self.tracking)
+            self.recorder_actor.new_attempt.remote()
+        return RemoteRecorder(self.recorder_actor)
+
+    def history(self) -> RunHistory:
+        return ray.get(self.recorder_actor.history.remote(), timeout=WAIT_TIMEOUT_S)
 
     def latest_checkpoint(self) -> str | None:
         checkpoint = ray.train.get_checkpoint()
@@ -82,7 +86,7 @@ class RaySession:
 
 
 def train_func(args: dict) -> None:
-    """`train_loop_per_worker` of the `TorchTrainer` (args: config dict, `TrackingActor`, MLflow run id)."""
+    """`train_loop_per_worker` of the `TorchTrainer` (args: config dict, `RecorderActor`, MLflow run id)."""
     cfg = from_dict(args["config"])
-    session = RaySession(cfg.data.path, cfg.train.seed, args["tracking"], args["mlflow_run_id"])
-    loop.train(cfg, session)  # type: ignore[arg-type]  # its run_logger is a RunLogger proxy (RemoteRunLogger)
+    session = RaySession(cfg.data.path, cfg.train.seed, args["recorder_actor"], args["mlflow_run_id"])
+    loop.train(cfg, session)
