@@ -459,10 +459,10 @@ def _verify(args: argparse.Namespace) -> int:
     import fsspec
 
     from raytrain_ft.integrity import verify_checkpoint
-    from raytrain_ft.run_folder import committed_steps, step_path
+    from raytrain_ft.run_folder import committed_steps, run_root, step_path
 
     fs, _ = fsspec.core.url_to_fs(args.run)
-    root = args.run if fs.isdir(args.run) else f"{args.storage_path.rstrip('/')}/{args.run}"
+    root = args.run if fs.isdir(args.run) else run_root(args.storage_path, args.run)
     steps = committed_steps(root)
     if args.step is not None:
         if args.step not in steps:

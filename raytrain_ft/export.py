@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.errors import CheckpointError, DataError, UserError
 from raytrain_ft.integrity import verify_checkpoint
-from raytrain_ft.run_folder import METADATA_FILE, complete_steps, step_path
+from raytrain_ft.run_folder import METADATA_FILE, complete_steps, run_root, step_path
 from raytrain_ft.train_state import KEY_META, KEY_MODEL, KEY_PROGRESS, Pickled, Progress, RunMeta
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # huggingface_hub's default; transformers 5's save_pretrained uses 50GB
@@ -290,11 +290,11 @@ def find_run(run: str, storage_path: str) -> str:
     Raises:
         CheckpointError: neither holds a complete checkpoint.
     """
-    for root in (run, f"{storage_path.rstrip('/')}/{run}"):
+    for root in (run, run_root(storage_path, run)):
         if complete_steps(root):
             return root.rstrip("/")
     raise CheckpointError(
-        f"no complete checkpoint in {run} nor in {storage_path.rstrip('/')}/{run}; "
+        f"no complete checkpoint in {run} nor in {run_root(storage_path, run)}; "
         "pass a run folder, or a run name with --storage-path (the run's run.storage_path)"
     )
 
