@@ -26,7 +26,7 @@ from mlflow.tracking import MlflowClient
 
 from raytrain_ft import recovery
 from raytrain_ft.errors import UserError
-from raytrain_ft.timeline import DISCARDED, StepTimeline
+from raytrain_ft.timeline import DISCARDED, KEPT, StepTimeline
 
 RUN_ID_FILE = "mlflow_run_id"
 EVENTS_DIR = "events"
@@ -186,7 +186,9 @@ class RunLogger:
         from raytrain_ft.loss_plot import LOSS_PLOT, loss_figure
 
         try:
-            kept, discarded = (self.client.get_metric_history(self.run_id, k) for k in ("loss", DISCARDED + "loss"))
+            kept, discarded = (
+                self.client.get_metric_history(self.run_id, k) for k in (KEPT + "loss", DISCARDED + "loss")
+            )
             fig = loss_figure([(m.step, m.value) for m in kept], [(m.step, m.value) for m in discarded], self.events())
             self.client.log_figure(self.run_id, fig, LOSS_PLOT)
         except Exception as e:  # a plot is not worth a failed training run

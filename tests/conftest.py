@@ -170,16 +170,16 @@ def assert_kept_timeline(
     cfg, run_id: str, ref_cfg, ref_run: str, discarded: list[int], rerun_kept: tuple[int, ...] = ()
 ) -> None:
     """One value per step on the kept timeline, equal to the uninterrupted run's where training is
-    deterministic; the re-run steps' first values under `discarded/`, every value under `live/`
+    deterministic; the re-run steps' first values under `train_discarded/`, every value under `train_live/`
     (`rerun_kept`: steps that ran twice and kept their first value, after a corrupt-checkpoint fallback)."""
     client, steps = MlflowClient(cfg.tracking.uri), list(range(1, cfg.train.max_steps + 1))
     for key in STEP_METRICS:
-        assert sorted(m.step for m in client.get_metric_history(run_id, key)) == steps, key
-        assert sorted(m.step for m in client.get_metric_history(run_id, f"discarded/{key}")) == discarded, key
-    for key in ("loss", "lr", "grad_norm", "epoch"):
+        assert sorted(m.step for m in client.get_metric_history(run_id, f"train/{key}")) == steps, key
+        assert sorted(m.step for m in client.get_metric_history(run_id, f"train_discarded/{key}")) == discarded, key
+    for key in ("train/loss", "train/lr", "train/grad_norm", "train/epoch"):
         assert metric_by_step(cfg, run_id, key) == metric_by_step(ref_cfg, ref_run, key), key
     live = sorted(steps + discarded + list(rerun_kept))
-    assert sorted(m.step for m in client.get_metric_history(run_id, "live/loss")) == live
+    assert sorted(m.step for m in client.get_metric_history(run_id, "train_live/loss")) == live
 
 
 def uninterrupted_lrs(train: TrainSection) -> dict[int, float]:

@@ -44,7 +44,7 @@ def two_worker_epoch(tmp_path_factory, dataset):
         "data.audit=true",
     )
     run_id = run(cfg)
-    return ids_by_step(cfg), metric_by_step(cfg, run_id, "lr")
+    return ids_by_step(cfg), metric_by_step(cfg, run_id, "train/lr")
 
 
 def test_resume_at_another_world_size_keeps_every_step(tmp_path, dataset, two_worker_epoch):
@@ -64,7 +64,7 @@ def test_resume_at_another_world_size_keeps_every_step(tmp_path, dataset, two_wo
     ref_ids, ref_lrs = two_worker_epoch
     steps = ids_by_step(cfg)
     assert steps == ref_ids  # each step's set of ids equals the 2-worker run's
-    assert metric_by_step(cfg, run_id, "lr") == ref_lrs  # the schedule continues as if nothing changed
+    assert metric_by_step(cfg, run_id, "train/lr") == ref_lrs  # the schedule continues as if nothing changed
     consumed = [i for ids in steps.values() for i in ids]
     assert len(consumed) == len(set(consumed)) == 49 * 12  # no repeats, and only the 11 epoch-tail ids dropped
     audit = read_audit(root(cfg))

@@ -61,7 +61,7 @@ def test_preemption_then_shrink_on_node_loss_then_grow_back(tmp_path, dataset):
     # the split's balance at each size: 8 / (3 x 3) at W=3 (the sequence-level bound), even at W=2
     assert metric_values(cfg.tracking.uri, run_id, "batch_balance") == [8 / 9, 1.0, 8 / 9]
     # the split changed twice; the LR schedule continued as in an uninterrupted run
-    assert metric_by_step(cfg, run_id, "lr") == uninterrupted_lrs(cfg.train)
+    assert metric_by_step(cfg, run_id, "train/lr") == uninterrupted_lrs(cfg.train)
 
     audit = read_audit(str(tmp_path / "runs" / "elastic"))
     steps, ids = audit.column("step").to_numpy(), audit.column("sample_id").to_numpy()

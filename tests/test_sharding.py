@@ -47,7 +47,7 @@ def test_fsdp_run_resumes_bitwise_after_a_kill_and_skips_a_one_rank_nan_everywhe
     run_id = run(cfg)
     assert_resumed(cfg.tracking.uri, run_id, [0, 15])
     assert_same_state(final_state(cfg, 30), ref_state)
-    loss, ref_loss = metric_by_step(cfg, run_id, "loss"), metric_by_step(ref_cfg, ref_run, "loss")
+    loss, ref_loss = metric_by_step(cfg, run_id, "train/loss"), metric_by_step(ref_cfg, ref_run, "train/loss")
     assert sorted(loss) == sorted(ref_loss) == list(range(1, 31))
     np.testing.assert_array_equal([loss[s] for s in loss], [ref_loss[s] for s in loss])  # NaN at 8 in both
     # the NaN on rank 1 made the global grad norm NaN on both ranks: both skipped step 8 (else the

@@ -96,9 +96,9 @@ def test_the_remote_logger_keeps_call_order_and_the_callers_timestamps(tmp_path,
     assert [(e["kind"], e["time"]) for e in logger.events()] == [("probe", t0 + 3.5)]  # waited, runs after them
     logger.timeline.registered()  # waited: every committed step is on the kept timeline
     client = MlflowClient(uri)
-    live = sorted((m.step, m.timestamp) for m in client.get_metric_history(run_id, "live/loss"))
+    live = sorted((m.step, m.timestamp) for m in client.get_metric_history(run_id, "train_live/loss"))
     assert live == [(s, int((t0 + s) * 1000)) for s in (1, 2, 3)]
-    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == [1, 2]
+    assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == [1, 2]
     assert getattr(logger, "__deepcopy__", None) is None  # dunders are not sent to the actor
     close(actor)
 
