@@ -178,7 +178,9 @@ def ours(root: str, gaps_s: list[float], mtbf_s: float, step_s: float, tail_s: f
         "recoveries": recoveries,
         "checkpoint_cost_s": statistics.mean(m.value for m in client.get_metric_history(run_id, "checkpoint_cost_s")),
         "auto_interval_steps": [int(m.value) for m in client.get_metric_history(run_id, "checkpoint_interval_steps")],
-        "median_step_time_s": statistics.median(m.value for m in client.get_metric_history(run_id, "step_time_s")),
+        "median_step_time_s": statistics.median(
+            m.value for m in client.get_metric_history(run_id, "train/step_time_s")
+        ),
         "max_steps": max_steps,
     }
 

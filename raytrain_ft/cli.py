@@ -352,6 +352,7 @@ def run_rows(runs) -> list[dict[str, str]]:
     """One row per MLflow run (`mlflow.entities.Run`): name, status, step / max_steps (the extended
     target where `raytrain-ft extend` set the `max_steps` tag), last loss and val_loss, restarts and
     goodput (blank where not logged yet)."""
+    from raytrain_ft.timeline import KEPT
 
     def number(metrics: dict, key: str, fmt: str) -> str:
         return format(metrics[key], fmt) if key in metrics else ""
@@ -364,8 +365,8 @@ def run_rows(runs) -> list[dict[str, str]]:
                 "name": r.info.run_name,
                 "status": r.info.status,
                 "step": f"{int(m.get('last_step', 0))}/{max_steps}",
-                "loss": number(m, "loss", ".4f"),
-                "val_loss": number(m, "val_loss", ".4f"),
+                "loss": number(m, KEPT + "loss", ".4f"),
+                "val_loss": number(m, KEPT + "val_loss", ".4f"),
                 "restarts": str(int(m.get("restarts", 0))),
                 "goodput": number(m, "goodput", ".3f"),
             }

@@ -29,7 +29,7 @@ from raytrain_ft.errors import UserError
 from raytrain_ft.recorder import Recorder
 from raytrain_ft.recovery import RunHistory
 from raytrain_ft.run_folder import RUN_ID_FILE, read_run_id, run_file, write_run_id
-from raytrain_ft.timeline import DISCARDED, StepTimeline
+from raytrain_ft.timeline import DISCARDED, KEPT, StepTimeline
 
 EVENTS_DIR = "events"
 GOODPUT_SUMMARY = "goodput_summary.json"
@@ -212,7 +212,9 @@ class MlflowRecorder(Recorder):
         from raytrain_ft.loss_plot import LOSS_PLOT, loss_figure
 
         try:
-            kept, discarded = (self.client.get_metric_history(self.run_id, k) for k in ("loss", DISCARDED + "loss"))
+            kept, discarded = (
+                self.client.get_metric_history(self.run_id, k) for k in (KEPT + "loss", DISCARDED + "loss")
+            )
             fig = loss_figure([(m.step, m.value) for m in kept], [(m.step, m.value) for m in discarded], self.events())
             self.client.log_figure(self.run_id, fig, LOSS_PLOT)
         except Exception as e:  # a plot is not worth a failed training run

@@ -146,5 +146,5 @@ def test_three_kills_at_random_moments_resume_bitwise(tmp_path, dataset, referen
     # bitwise the uninterrupted run: model and optimizer, every step's sample ids, losses and LRs
     assert_same_state(final_state(cfg, 30), ref_state)
     assert read_audit(root).equals(read_audit(run_root(ref_cfg)))
-    for key in ("loss", "lr"):
+    for key in ("train/loss", "train/lr"):
         assert metric_by_step(cfg, run_id, key) == metric_by_step(ref_cfg, ref_run, key)

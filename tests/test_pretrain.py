@@ -31,9 +31,9 @@ pytestmark = pytest.mark.usefixtures("ray_local")
 
 def test_an_uninterrupted_run_completes_and_loss_falls(reference):
     cfg, run_id, _ = reference
-    losses = metric_by_step(cfg, run_id, "loss")
+    losses = metric_by_step(cfg, run_id, "train/loss")
     assert sorted(losses) == list(range(1, 31)) and losses[30] < losses[1]
-    assert metric_by_step(cfg, run_id, "lr") == uninterrupted_lrs(cfg.train)  # what resumed runs are held to
+    assert metric_by_step(cfg, run_id, "train/lr") == uninterrupted_lrs(cfg.train)  # what resumed runs are held to
     assert MlflowClient(cfg.tracking.uri).get_run(run_id).info.status == "FINISHED"
 
 

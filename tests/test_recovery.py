@@ -104,7 +104,8 @@ def test_two_failures_make_two_recovery_rows_and_the_history_cli_prints_them(
     # the loss plot marks both failures at their last completed step
     assert "loss.png" in {a.path for a in client.list_artifacts(run_id)}
     kept, discarded = (
-        [(m.step, m.value) for m in client.get_metric_history(run_id, k)] for k in ("loss", "discarded/loss")
+        [(m.step, m.value) for m in client.get_metric_history(run_id, k)]
+        for k in ("train/loss", "train_discarded/loss")
     )
     fig = loss_figure(kept, discarded, MlflowRecorder(cfg.tracking.uri, run_id).events())
     assert sorted(line.get_xdata()[0] for line in fig.axes[0].lines if line.get_gid() == "failure") == [11, 22]

@@ -101,9 +101,9 @@ def test_the_remote_recorder_keeps_call_order_and_the_callers_timestamps(tmp_pat
     assert history.run_start == MlflowClient(uri).get_run(run_id).info.start_time / 1000
     recorder.registered()  # waited: every committed step is on the kept timeline
     client = MlflowClient(uri)
-    live = sorted((m.step, m.timestamp) for m in client.get_metric_history(run_id, "live/loss"))
+    live = sorted((m.step, m.timestamp) for m in client.get_metric_history(run_id, "train_live/loss"))
     assert live == [(s, int((t0 + s) * 1000)) for s in (1, 2, 3)]
-    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == [1, 2]
+    assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == [1, 2]
     close(actor)
 
 

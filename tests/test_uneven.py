@@ -34,7 +34,7 @@ def test_a_kill_at_an_uneven_world_size_resumes_bitwise(tmp_path, dataset, unint
     run_id = run(cfg)
     assert_resumed(cfg.tracking.uri, run_id, [0, 10])
     assert_same_state(final_state(cfg, 20), final_state(ref_cfg, 20))
-    assert metric_by_step(cfg, run_id, "lr") == uninterrupted_lrs(cfg.train)
+    assert metric_by_step(cfg, run_id, "train/lr") == uninterrupted_lrs(cfg.train)
     audit = read_audit(run_root(cfg))
     assert audit.equals(read_audit(run_root(ref_cfg)))
     steps, ranks = audit.column("step").to_numpy(), audit.column("rank").to_numpy()
