@@ -84,11 +84,14 @@ def _newest_size(root: str) -> int:
 
 
 def _out_of_space(exc: BaseException | None) -> bool:
-    """ENOSPC anywhere in the chain, or torch's zip writer failing on a short write."""
+    """ENOSPC anywhere in the chain or in any rank's error that DCP gathered into its `CheckpointException`
+    (`failures`), or torch's zip writer failing on a short write."""
     while exc is not None:
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             return True
         if "unexpected pos" in str(exc) or "No space left" in str(exc):
+            return True
+        if isinstance(exc, CheckpointException) and any(_out_of_space(e) for e, _ in exc.failures.values()):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
@@ -249,13 +252,18 @@ class Checkpointer:
         return self._commit()
 
     def _written(self, step: int, upload) -> None:
-        """Wait for this rank's write; a write that ran out of space becomes one line."""
+        """Wait for this rank's write; a write that ran out of space becomes one line.
+
+        Raises:
+            StorageFullError: the write ran out of space (ENOSPC on any rank: DCP raises it on every rank).
+            CheckpointException: DCP's own error (a `BaseException`) for any other failed write, as it is.
+        """
         try:
             upload.result()
-        except Exception as e:
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             if _out_of_space(e):
                 needed, free = _newest_size(self.root), _free_bytes(self.root)
-                raise CheckpointError(space_message(self.root, step, needed, free)) from None
+                raise StorageFullError(space_message(self.root, step, needed, free)) from None
             raise
 
     def _commit(self) -> int:
