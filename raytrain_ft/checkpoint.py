@@ -149,6 +149,20 @@ class _SlowWriter(ChecksummedWriter):
         return super().write_data(plan, planner)
 
 
+class _SlowReader(ChecksummedReader):
+    """Reader that sleeps `delay_s` seconds once, before its first item, with that item's file open
+    (fault injection: `slow_restore`)."""
+
+    def __init__(self, path: str, delay_s: float):
+        super().__init__(path)
+        self.delay_s = delay_s
+
+    def _slice_file(self, file, sinfo):
+        time.sleep(self.delay_s)
+        self.delay_s = 0.0
+        return super()._slice_file(file, sinfo)
+
+
 class Checkpointer:
     """One rank's side of async save, collective commit and restore.
 
@@ -276,9 +290,14 @@ class Checkpointer:
         return step
 
     def restore(
-        self, state: TrainState, candidates: list[str], on_corrupt: Callable[[str, str], None]
+        self,
+        state: TrainState,
+        candidates: list[str],
+        on_corrupt: Callable[[str, str], None],
+        read_delay_s: Callable[[int], float] = lambda step: 0.0,
     ) -> tuple[str | None, set[str]]:
-        """Load the first usable checkpoint of `candidates` (newest first) into `state`.
+        """Load the first usable checkpoint of `candidates` (newest first) into `state`;
+        `read_delay_s(step)` > 0 (fault injection) holds the read of that checkpoint that many seconds.
 
         Every byte is verified before use (`raytrain_ft.integrity.ChecksummedReader`) and the
         checkpoint must hold every component of `state` and every entry of each
@@ -299,7 +318,7 @@ class Checkpointer:
         problems = []
         for path in candidates:
             try:
-                return path, self._load(path, state)
+                return path, self._load(path, state, read_delay_s(step_of(path)))
             except (CorruptCheckpointError, CheckpointException) as e:  # CheckpointException is a BaseException
                 corrupt = corruption_of(e)
                 if corrupt is None:
@@ -316,9 +335,10 @@ class Checkpointer:
             )
         return None, set()
 
-    def _load(self, path: str, state: TrainState) -> set[str]:
+    def _load(self, path: str, state: TrainState, delay_s: float) -> set[str]:
         """Load checkpoint `path` into `state`; return the component keys loaded."""
-        reader = ChecksummedReader(path)  # reads and checks .metadata once, here, for every load below
+        # reads and checks .metadata once, here, for every load below
+        reader = _SlowReader(path, delay_s) if delay_s > 0 else ChecksummedReader(path)
         saved = reader.read_metadata().state_dict_metadata
         missing = missing_components(saved, state.components)
         if missing:
@@ -368,9 +388,14 @@ def corruption_of(e: BaseException) -> CorruptCheckpointError | None:
 
 
 def restore_latest(
-    checkpointer: Checkpointer, state: TrainState, session: Session, logger: RunLogger | None
+    checkpointer: Checkpointer,
+    state: TrainState,
+    session: Session,
+    logger: RunLogger | None,
+    read_delay_s: Callable[[int], float] = lambda step: 0.0,
 ) -> tuple[int | None, set[str]]:
-    """Delete uncommitted saves, then load the committed checkpoint (or an older one if corrupt).
+    """Delete uncommitted saves, then load the committed checkpoint (or an older one if corrupt);
+    `read_delay_s`: `Checkpointer.restore`'s (fault injection).
 
     Returns the step loaded (None on a fresh start) and the state keys the checkpoint held.
     """
@@ -393,7 +418,7 @@ def restore_latest(
             logger.event("corrupt_checkpoint", path=path, reason=reason)
             logger.tags({"last_corrupt_checkpoint": f"{path}: {reason}"})
 
-    loaded, keys = checkpointer.restore(state, candidates, on_corrupt)
+    loaded, keys = checkpointer.restore(state, candidates, on_corrupt, read_delay_s)
     return (step_of(loaded) if loaded else None), keys
 
 

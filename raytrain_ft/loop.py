@@ -231,7 +231,9 @@ class Trainer:
             self.rank,
             lambda *hang: session.run_logger(attempt=False).hang(self.rank, *hang),
         )
-        resumed_from, loaded = restore_latest(self.checkpointer, self.state, session, self.logger)
+        resumed_from, loaded = restore_latest(
+            self.checkpointer, self.state, session, self.logger, self.faults.restore_delay_s
+        )
         if rng_key(self.rank) not in loaded:  # fresh start, or a rank added by an elastic resize
             seed_rngs(cfg.train.seed + self.progress.step, self.rank)
         self.watchdog.beat(step_done=False)  # restoring a large checkpoint is neither a hang nor a step

@@ -16,7 +16,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from raytrain_ft.checkpoint import step_of
 from raytrain_ft.config import Config, to_dict
 from raytrain_ft.errors import CheckpointError, UserError, find_user_error, raise_if_ended
-from raytrain_ft.launch.callbacks import RunRecorder, describe, plain_cause
+from raytrain_ft.launch.callbacks import FailureRecorder, RunRecorder, describe, plain_cause
 from raytrain_ft.launch.run_files import record_extension
 from raytrain_ft.launch.tracking_actor import close, start_tracking_actor
 from raytrain_ft.launch.tracking_server import lasting_path, tracking_store
@@ -170,7 +170,7 @@ def _torch_trainer(cfg: Config, tracking, run_id: str, run_root: str, max_failur
             storage_path=cfg.run.storage_path,
             failure_config=FailureConfig(max_failures=max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
-            callbacks=[RunRecorder(tracking, run_root)],  # type: ignore[list-item]
+            callbacks=[RunRecorder(run_root), FailureRecorder(tracking)],  # type: ignore[list-item]
         ),
     )
 
@@ -182,7 +182,8 @@ def failed_during_group_start(e: BaseException) -> bool:
     or `WorkerGroupStartupTimeoutError` (`ray/train/v2/_internal/execution/failure_handling/default.py`);
     a worker actor that dies after the group's setup, while the controller launches the train
     function (`WorkerGroup._start_impl`), raises `ActorDiedError` there unwrapped, and the failure
-    policy ends the run however many restarts are left."""
+    policy ends the run however many restarts are left. One that dies earlier, during the setup, ends
+    it the same way (`callbacks.FailureRecorder`)."""
     return isinstance(e, ControllerError) and isinstance(e.controller_failure, RayActorError)
 
 
@@ -246,10 +247,9 @@ def _fit(cfg: Config, uri: str) -> str:
 
 
 def _record_group_start_failure(logger: RunLogger, e: BaseException) -> None:
-    """A `failure` event for a worker lost while the group started, as `RunRecorder` records the
-    others (Ray Train calls no user callback for a controller error). `source: group_start`: never
-    merged into the failure before it (`raytrain_ft.recovery.failures`). Which rank died is not
-    known here."""
+    """A `failure` event for a worker lost while the group started, as `FailureRecorder` records the
+    others (it records only worker-group failures: a controller error is not one). `source: group_start`.
+    Which rank died is not known here."""
     latest = logger.latest_metrics()
     cause = f"a worker died while the worker group started ({plain_cause(getattr(e, 'controller_failure', e))})"
     logger.tags({"last_failure_cause": cause})
