@@ -100,21 +100,19 @@ class FaultInjector(StepHook):
     def save_delay_s(self, step: int) -> float:
         """Seconds this rank's writer waits before writing the save of `step`: long enough for a
         `kill_during_save` to strike first, or a `slow_save` fault's `seconds`."""
-        delay = sum(
-            f.seconds
-            for _, f in self.faults
-            if f.kind == "slow_save" and self._mine(f) and f.step <= step < f.step + f.steps
-        )
+        delay = self._slow_storage_s("slow_save", step)
         if any(self._mine(f) for _, f in self._pending(step, ("kill_during_save",))):
             delay = max(delay, KILL_DURING_SAVE_DELAY_S)
         return delay
 
     def restore_delay_s(self, step: int) -> float:
         """Seconds this rank's reader holds the restore of the checkpoint of `step` (`slow_restore` faults)."""
+        return self._slow_storage_s("slow_restore", step)
+
+    def _slow_storage_s(self, kind: str, step: int) -> float:
+        """The `seconds` of this rank's `kind` faults (`slow_save`, `slow_restore`) that cover `step`."""
         return sum(
-            f.seconds
-            for _, f in self.faults
-            if f.kind == "slow_restore" and self._mine(f) and f.step <= step < f.step + f.steps
+            f.seconds for _, f in self.faults if f.kind == kind and self._mine(f) and f.step <= step < f.step + f.steps
         )
 
     def after_save_started(self, step: int) -> None:

@@ -49,7 +49,7 @@ from conftest import (
 from raytrain_ft.checkpoint import list_step_dirs, step_of
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.launch.run_files import COMMIT_ACK_FILE, worker_records
-from raytrain_ft.launch.trainer import run
+from raytrain_ft.launch.trainer import restarts_left, run
 from raytrain_ft.recovery import GROUP_START, KILLED, failures, recovery_rows
 from raytrain_ft.tracking import RunLogger, steps_logged_since
 
@@ -202,6 +202,9 @@ def test_kills_while_saving_starting_and_restoring_resume_bitwise(tmp_path, data
         cause = f["causes"].get(GROUP_START, "") if f.get("source") == GROUP_START else " ".join(f["causes"].values())
         assert KILLED in cause, f
     assert client.get_run(run_id).data.metrics["restarts"] == KILLS
+    assert (
+        restarts_left(RunLogger(cfg.tracking.uri, run_id), 0.0, KILLS) == 0
+    )  # the driver's budget, the failure line's count
 
     # bitwise the uninterrupted run: model and optimizer, every step's sample ids, losses and LRs
     assert_same_state(final_state(cfg, 30), ref_state)
