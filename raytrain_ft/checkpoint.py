@@ -77,11 +77,14 @@ def _newest_size(root: str) -> int:
 
 
 def _out_of_space(exc: BaseException | None) -> bool:
-    """ENOSPC anywhere in the chain, or torch's zip writer failing on a short write."""
+    """ENOSPC anywhere in the chain or in any rank's error that DCP gathered into its `CheckpointException`
+    (`failures`), or torch's zip writer failing on a short write."""
     while exc is not None:
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
             return True
         if "unexpected pos" in str(exc) or "No space left" in str(exc):
+            return True
+        if isinstance(exc, CheckpointException) and any(_out_of_space(e) for e, _ in exc.failures.values()):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
@@ -107,6 +110,20 @@ class _SlowWriter(ChecksummedWriter):
     def write_data(self, plan, planner):
         time.sleep(self.delay_s)
         return super().write_data(plan, planner)
+
+
+class _SlowReader(ChecksummedReader):
+    """Reader that sleeps `delay_s` seconds once, before its first item, with that item's file open
+    (fault injection: `slow_restore`)."""
+
+    def __init__(self, path: str, delay_s: float):
+        super().__init__(path)
+        self.delay_s = delay_s
+
+    def _slice_file(self, file, sinfo):
+        time.sleep(self.delay_s)
+        self.delay_s = 0.0
+        return super()._slice_file(file, sinfo)
 
 
 class Checkpointer:
@@ -212,13 +229,18 @@ class Checkpointer:
         return self._commit()
 
     def _written(self, step: int, upload) -> None:
-        """Wait for this rank's write; a write that ran out of space becomes one line."""
+        """Wait for this rank's write; a write that ran out of space becomes one line.
+
+        Raises:
+            StorageFullError: the write ran out of space (ENOSPC on any rank: DCP raises it on every rank).
+            CheckpointException: DCP's own error (a `BaseException`) for any other failed write, as it is.
+        """
         try:
             upload.result()
-        except Exception as e:
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             if _out_of_space(e):
                 needed, free = _newest_size(self.root), _free_bytes(self.root)
-                raise CheckpointError(space_message(self.root, step, needed, free)) from None
+                raise StorageFullError(space_message(self.root, step, needed, free)) from None
             raise
 
     def _commit(self) -> int:
@@ -231,9 +253,14 @@ class Checkpointer:
         return step
 
     def restore(
-        self, state: TrainState, candidates: list[str], on_corrupt: Callable[[str, str], None]
+        self,
+        state: TrainState,
+        candidates: list[str],
+        on_corrupt: Callable[[str, str], None],
+        read_delay_s: Callable[[int], float] = lambda step: 0.0,
     ) -> tuple[str | None, set[str]]:
-        """Load the first usable checkpoint of `candidates` (newest first) into `state`.
+        """Load the first usable checkpoint of `candidates` (newest first) into `state`;
+        `read_delay_s(step)` > 0 (fault injection) holds the read of that checkpoint that many seconds.
 
         Every byte is verified before use (`raytrain_ft.integrity.ChecksummedReader`) and the
         checkpoint must hold every component of `state` and every entry of each
@@ -254,7 +281,7 @@ class Checkpointer:
         problems = []
         for path in candidates:
             try:
-                return path, self._load(path, state)
+                return path, self._load(path, state, read_delay_s(step_of(path)))
             except (CorruptCheckpointError, CheckpointException) as e:  # CheckpointException is a BaseException
                 corrupt = corruption_of(e)
                 if corrupt is None:
@@ -271,9 +298,10 @@ class Checkpointer:
             )
         return None, set()
 
-    def _load(self, path: str, state: TrainState) -> set[str]:
+    def _load(self, path: str, state: TrainState, delay_s: float) -> set[str]:
         """Load checkpoint `path` into `state`; return the component keys loaded."""
-        reader = ChecksummedReader(path)  # reads and checks .metadata once, here, for every load below
+        # reads and checks .metadata once, here, for every load below
+        reader = _SlowReader(path, delay_s) if delay_s > 0 else ChecksummedReader(path)
         saved = reader.read_metadata().state_dict_metadata
         missing = missing_components(saved, state.components)
         if missing:
@@ -313,9 +341,14 @@ def corruption_of(e: BaseException) -> CorruptCheckpointError | None:
 
 
 def restore_latest(
-    checkpointer: Checkpointer, state: TrainState, session: Session, recorder: Recorder
+    checkpointer: Checkpointer,
+    state: TrainState,
+    session: Session,
+    recorder: Recorder,
+    read_delay_s: Callable[[int], float] = lambda step: 0.0,
 ) -> tuple[int | None, set[str]]:
-    """Delete uncommitted saves, then load the committed checkpoint (or an older one if corrupt).
+    """Delete uncommitted saves, then load the committed checkpoint (or an older one if corrupt);
+    `read_delay_s`: `Checkpointer.restore`'s (fault injection).
 
     Returns the step loaded (None on a fresh start) and the state keys the checkpoint held.
     """
@@ -336,7 +369,7 @@ def restore_latest(
         recorder.event("corrupt_checkpoint", path=path, reason=reason)
         recorder.tags({"last_corrupt_checkpoint": f"{path}: {reason}"})
 
-    loaded, keys = checkpointer.restore(state, candidates, on_corrupt)
+    loaded, keys = checkpointer.restore(state, candidates, on_corrupt, read_delay_s)
     return (step_of(loaded) if loaded else None), keys
 
 

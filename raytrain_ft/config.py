@@ -20,7 +20,18 @@ from omegaconf.errors import OmegaConfBaseException
 
 from raytrain_ft.errors import ConfigError
 
-FAULT_KINDS = ("raise", "kill", "kill_during_save", "nan", "spike", "bitflip", "hang", "slow", "slow_save")
+FAULT_KINDS = (
+    "raise",
+    "kill",
+    "kill_during_save",
+    "nan",
+    "spike",
+    "bitflip",
+    "hang",
+    "slow",
+    "slow_save",
+    "slow_restore",
+)
 ALERT_POLICIES = ("warn", "restart")
 INTERVAL_MODES = ("fixed", "auto")
 STRATEGIES = ("auto", "ddp", "fsdp", "hsdp")
@@ -138,12 +149,12 @@ class ValidationSection:
 
 @dataclass
 class FaultSpec:
-    kind: str = MISSING  # raise | kill | kill_during_save | nan | spike | bitflip | hang | slow | slow_save
+    kind: str = MISSING  # raise, kill, kill_during_save, nan, spike, bitflip, hang, slow, slow_save, slow_restore
     step: int = MISSING  # the (first) step at which the fault fires; once per run
     rank: int = 0  # the rank that fails; -1 = every rank
-    steps: int = 1  # spike / nan / slow / slow_save: for this many consecutive steps
+    steps: int = 1  # spike / nan / slow / slow_save / slow_restore: for this many consecutive steps
     factor: float = 1000.0  # spike: the loss (and so the gradients) of the rank is multiplied by this
-    seconds: float = 0.0  # hang: sleep once; slow: sleep every step; slow_save: the writer sleeps before each save
+    seconds: float = 0.0  # hang: sleep once; slow: every step; slow_save / slow_restore: the writer / reader sleeps
 
 
 @dataclass

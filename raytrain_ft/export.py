@@ -96,13 +96,12 @@ def read_meta(checkpoint: str) -> tuple[RunMeta, int, Metadata]:
 
 def check_complete(checkpoint: str, metadata: Metadata, expected: dict[str, torch.Size]) -> None:
     """Before converting: every weight of the model (`expected`: name -> shape, as
-    `LlamaForCausalLM.state_dict()`) is in the checkpoint with that shape, nothing else is under
-    `model.`, and every file byte range those weights are stored in exists (a truncated file fails here,
-    before anything is written).
+    `LlamaForCausalLM.state_dict()`) is in the checkpoint with that shape, and nothing else is under
+    `model.`. That the bytes are there and intact (a truncated or missing file) is `verify_checkpoint`'s
+    check, run before this one.
 
     Raises:
-        CheckpointError: one line naming the first missing, unexpected or mis-shaped entries, or the
-            truncated file.
+        CheckpointError: one line naming the first missing, unexpected or mis-shaped entries.
     """
     saved = {
         k[len(KEY_MODEL) + 1 :]: m.size
@@ -120,19 +119,6 @@ def check_complete(checkpoint: str, metadata: Metadata, expected: dict[str, torc
             f"checkpoint {checkpoint} does not hold this model's weights: {'; '.join(problems[:3])}{more}; "
             "export another step (--step)"
         )
-    fs, base = fsspec.core.url_to_fs(checkpoint)
-    ends: dict[str, int] = {}
-    for index, info in metadata.storage_data.items():
-        if index.fqn.startswith(KEY_MODEL + "."):
-            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    for name, end in sorted(ends.items()):
-        path = f"{base.rstrip('/')}/{name}"
-        size = fs.size(path) if fs.exists(path) else None
-        if size is None or size < end:
-            found = "missing" if size is None else f"{size} bytes, expected at least {end}"
-            raise CheckpointError(
-                f"checkpoint {checkpoint} is damaged: {name} is {found}; export another step (--step)"
-            )
 
 
 def export_checkpoint(

@@ -6,15 +6,19 @@ async write is in flight; `step` must be a checkpoint step), `nan` (the rank's l
 `spike` (the rank's loss, and so its gradients, is multiplied by `factor`), `bitflip` (one bit of
 one parameter flips on the rank after the optimizer step), `hang` (the rank sleeps `seconds` inside
 the step), `slow` (the rank sleeps `seconds` in every step), `slow_save` (slow storage: the rank's
-checkpoint writer sleeps `seconds` before writing each save, after creating the step folder).
-`nan`, `spike`, `slow` and `slow_save` last `steps` steps; `rank: -1` means every rank. Each fault
-fires once per run: the firing rank writes `<run folder>/faults/<index>-<step>.fired` first, so a
-restarted attempt (or the steps re-run after a rollback) passes it; `slow` and `slow_save` are
-properties of the machine and fire on every pass.
+checkpoint writer sleeps `seconds` before writing each save, after creating the step folder),
+`slow_restore` (slow storage on read: the rank's checkpoint reader sleeps `seconds` on the first
+item of each restore, with the checkpoint file open: what `lsof` or `/proc/<pid>/fd` shows while a
+restore is in progress, held long enough to be seen). `nan`, `spike`, `slow`, `slow_save` and
+`slow_restore` last `steps` steps (`slow_restore`: restores of checkpoints of those steps); `rank: -1`
+means every rank. Each fault fires once per run: the firing rank writes
+`<run folder>/faults/<index>-<step>.fired` first, so a restarted attempt (or the steps re-run after a
+rollback) passes it; `slow`, `slow_save` and `slow_restore` are properties of the machine and fire on
+every pass.
 
 The injector is a step hook (`raytrain_ft.hooks`): `raise`/`kill` fire in `before_step`, `bitflip`,
-`hang` and `slow` in `after_optimizer_step`. `loss_factor`, `save_delay_s` and `after_save_started`
-change the step's own values and are called by the loop where they act.
+`hang` and `slow` in `after_optimizer_step`. `loss_factor`, `save_delay_s`, `after_save_started` and
+`restore_delay_s` change the step's (or the restore's) own values and are called where they act.
 
 Before a `raise`/`kill` fault, and before a `hang` sleeps, every rank calls `settle()`: the loop
 finishes its in-flight save and waits until Ray registered the commit (the controller callback
@@ -96,14 +100,20 @@ class FaultInjector(StepHook):
     def save_delay_s(self, step: int) -> float:
         """Seconds this rank's writer waits before writing the save of `step`: long enough for a
         `kill_during_save` to strike first, or a `slow_save` fault's `seconds`."""
-        delay = sum(
-            f.seconds
-            for _, f in self.faults
-            if f.kind == "slow_save" and self._mine(f) and f.step <= step < f.step + f.steps
-        )
+        delay = self._slow_storage_s("slow_save", step)
         if any(self._mine(f) for _, f in self._pending(step, ("kill_during_save",))):
             delay = max(delay, KILL_DURING_SAVE_DELAY_S)
         return delay
+
+    def restore_delay_s(self, step: int) -> float:
+        """Seconds this rank's reader holds the restore of the checkpoint of `step` (`slow_restore` faults)."""
+        return self._slow_storage_s("slow_restore", step)
+
+    def _slow_storage_s(self, kind: str, step: int) -> float:
+        """The `seconds` of this rank's `kind` faults (`slow_save`, `slow_restore`) that cover `step`."""
+        return sum(
+            f.seconds for _, f in self.faults if f.kind == kind and self._mine(f) and f.step <= step < f.step + f.steps
+        )
 
     def after_save_started(self, step: int) -> None:
         """SIGKILL this rank while its (slowed) write of `step` is in flight."""

@@ -243,7 +243,9 @@ class Trainer:
         auto checkpoint interval. Reads the run's past from `Session.history` only."""
         cfg, session = self.cfg, self.session
         history = session.history()  # every rank before the (collective) restore: before rank 0 adds to it
-        resumed_from, loaded = restore_latest(self.checkpointer, self.state, session, self.recorder)
+        resumed_from, loaded = restore_latest(
+            self.checkpointer, self.state, session, self.recorder, self.faults.restore_delay_s
+        )
         if rng_key(self.rank) not in loaded:  # fresh start, or a rank added by an elastic resize
             seed_rngs(cfg.train.seed + self.progress.step, self.rank)
         self.watchdog.beat(step_done=False)  # restoring a large checkpoint is neither a hang nor a step

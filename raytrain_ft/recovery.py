@@ -1,7 +1,8 @@
 """The run's recovery history, derived from the events every component logs to MLflow.
 
-Events (artifacts `events/*.json`, see `tracking.MlflowRecorder.event`): `failure` (written by the Ray
-Train controller callback: time, short cause per rank (root cause first, see `cause_text`) and
+Events (artifacts `events/*.json`, see `tracking.MlflowRecorder.event`): `failure` (one per restart, written
+by the Ray Train controller callback `launch.callbacks.FailureRecorder`, or by the driver for a worker
+lost while the group started: time, short cause per rank (root cause first, see `cause_text`) and
 Ray's full text per rank, last completed step, step time and world size at
 that moment), `attempt_start` (rank 0 after restore: step resumed from, world size) and
 `first_step` (rank 0 after the first step of an attempt). `recovery_rows` joins them into one row
@@ -55,20 +56,9 @@ def _iso(t: float) -> str:
 
 
 def failures(events: list[dict]) -> list[tuple[int, dict]]:
-    """(index, failure) pairs; the controller may report one failure in several calls (one per failed
-    rank) before the next attempt starts: those are merged, keeping the first time and step. A failure
-    the driver recorded (`source: GROUP_START`, a worker lost while the group restarted) is one of its own."""
-    merged: list[tuple[int, dict]] = []
-    open_failure = False
-    for i, e in enumerate(events):
-        if e["kind"] == "attempt_start":
-            open_failure = False
-        elif e["kind"] == "failure" and open_failure and e.get("source") != GROUP_START:
-            merged[-1][1]["causes"] = {**e["causes"], **merged[-1][1]["causes"]}
-        elif e["kind"] == "failure":
-            merged.append((i, dict(e)))
-            open_failure = True
-    return merged
+    """(index, failure) pairs, oldest first: one `failure` event per restart (or per failure that ended the
+    run), as `launch.callbacks.FailureRecorder` and the driver (`source: GROUP_START`) record them."""
+    return [(i, e) for i, e in enumerate(events) if e["kind"] == "failure"]
 
 
 CONTROL_KINDS = ("failure", "attempt_start", "hang", "rollback")  # the events the loop decides with
@@ -121,14 +111,20 @@ class RunHistory:
 
 
 def recovery_rows(events: list[dict]) -> list[dict]:
-    """One dict per failure (oldest first); fields not known yet (no resume so far) are None."""
+    """One dict per failure (oldest first); fields not known yet (no resume so far) are None. A failure
+    that struck before its attempt had restored (no `attempt_start` since the failure before it: the
+    worker group was starting or loading the checkpoint) lost no steps: the steps since the checkpoint
+    count once, at the failure that ended the attempt that trained them."""
     rows = []
+    previous = -1
     for i, e in failures(events):
         later = events[i + 1 :]
+        trained = any(x["kind"] == "attempt_start" for x in events[previous + 1 : i])
+        previous = i
         start = next((x for x in later if x["kind"] == "attempt_start"), None)
         first = next((x for x in later if x["kind"] == "first_step" and start and x["time"] >= start["time"]), None)
         resumed = start["resumed_from"] if start else None
-        lost = e["last_step"] - resumed if resumed is not None else None
+        lost = (e["last_step"] - resumed if trained else 0) if resumed is not None else None
 
         def since(t: float | None, failed_at: float = e["time"]) -> float | None:
             return round(t - failed_at, 3) if t is not None else None

@@ -39,7 +39,7 @@ def test_an_uninterrupted_run_completes_and_loss_falls(reference):
 
 def test_interrupted_run_is_bitwise_identical(tmp_path, dataset, reference):
     # the demo's shape: a checkpoint every 10 steps, rank 1 killed before step 25 (a kill and an
-    # exception: test_recovery.py; three kills at random moments from outside: test_chaos.py)
+    # exception: test_recovery.py; kills from outside while saving, starting and restoring: test_chaos.py)
     ref_cfg, ref_run, ref_state = reference
     faults = "faults=[{kind: kill, step: 25, rank: 1}]"
     cfg = make_config(

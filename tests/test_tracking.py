@@ -10,11 +10,13 @@ import sys
 import pytest
 import ray
 from mlflow.tracking import MlflowClient
+from ray.train import WorkerGroupError
+from ray.train.v2._internal.execution.controller.state import RestartingState, RunningState
 
 from conftest import REPO, scenario_outcome
 from raytrain_ft.cli import main
 from raytrain_ft.errors import ConfigError
-from raytrain_ft.launch.callbacks import ControllerCallback
+from raytrain_ft.launch.callbacks import FailureRecorder
 from raytrain_ft.launch.recorder_actor import RemoteRecorder, close, start_recorder_actor
 from raytrain_ft.launch.tracking_server import lasting_path
 from raytrain_ft.tracking import MlflowRecorder, start_or_resume_run
@@ -112,5 +114,6 @@ def test_a_tracking_failure_never_stops_a_restart(tmp_path, ray_local, caplog):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     actor = start_recorder_actor(uri, start_or_resume_run(uri, "dead-actor", str(tmp_path / "run"), "dead-actor", {}))
     ray.kill(actor, no_restart=True)
-    ControllerCallback(actor, str(tmp_path / "run")).after_exception(None, {1: RuntimeError("boom")})
+    restarting = RestartingState(WorkerGroupError("rank 1 failed", {1: RuntimeError("boom")}))
+    FailureRecorder(actor).after_controller_state_update(RunningState(), restarting)
     assert "failure (rank 1: RuntimeError: boom) not recorded in MLflow" in caplog.text

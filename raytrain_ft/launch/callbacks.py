@@ -1,4 +1,5 @@
-"""Ray Train controller callback: records each worker-group failure in MLflow and acknowledges commits."""
+"""Ray Train controller callbacks: acknowledge commits (`CommitAcknowledger`); record each worker-group failure
+in the run history and hand a worker lost while the group is set up to the driver (`FailureRecorder`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,11 @@ import logging
 import re
 
 import ray
+from ray.exceptions import RayActorError
+from ray.train import ControllerError, WorkerGroupError
+from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
+from ray.train.v2._internal.execution.callback import ControllerCallback
+from ray.train.v2._internal.execution.controller.state import ErroredState, ReschedulingState, RestartingState
 from ray.train.v2.api.callback import UserCallback
 
 from raytrain_ft.launch.recorder_actor import RemoteRecorder
@@ -61,32 +67,81 @@ def plain_cause(exc: BaseException) -> str:
     return describe(exc)
 
 
-class ControllerCallback(UserCallback):
-    """Runs on the controller.
+class CommitAcknowledger(UserCallback):
+    """Runs on the controller: on every registered checkpoint, writes its path to
+    `<run folder>/last_commit_ack`, so a worker can wait until Ray has registered a commit
+    (`RaySession.flush`)."""
 
-    On every failure: the short cause per rank (`plain_cause`) as a tag and a `failure` event (with
-    Ray's full text per rank under `details`) (`raytrain_ft.recovery` turns the
-    events into the recovery history and the `restarts` metric when the next attempt starts). On every registered
-    checkpoint: its path is written to `<run folder>/last_commit_ack`, so a worker can wait until
-    Ray has registered a commit (`RaySession.flush`).
-
-    It records through the run's `RecorderActor` (`recorder_actor`), not an MLflow client of its own: Ray
-    Train ships the `RunConfig`, and with it this callback, to every worker at every worker-group
-    start, and unpickling it there imports this module; MLflow's import alone cost each restarted
-    worker ~0.8 s (`test_training_workers_do_not_import_mlflow`). Each call waits (at most
-    `TRACKING_TIMEOUT_S`), so the failure is in the run history before the next attempt reads it; a
-    tracking error is logged and never decides whether Ray restarts the group (Ray Train ends the
-    run on an exception from a callback).
-    """
-
-    def __init__(self, recorder_actor: ray.actor.ActorHandle, run_root: str):
-        self.recorder_actor, self.run_root = recorder_actor, run_root
+    def __init__(self, run_root: str):
+        self.run_root = run_root
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
         if checkpoint is not None:
             write_commit_ack(self.run_root, checkpoint.path)
 
-    def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
+
+def decided_failure(state) -> dict[int, Exception] | None:
+    """The ranks' errors (rank -> Ray's error) when the controller's new `state` is its decision on a
+    worker-group failure: restart (`RestartingState`) or end the run (`ErroredState`); else None."""
+    error = getattr(state, "training_failed_error", None)
+    if isinstance(state, (RestartingState, ErroredState)) and isinstance(error, WorkerGroupError):
+        return error.worker_failures
+    return None
+
+
+def lost_in_setup(state) -> RayActorError | None:
+    """The dead worker actor's error when the controller's new `state` retries a group start that
+    failed because a worker actor died during the setup (`WorkerGroupStartupFailedError` from a
+    `RayActorError`); else None (a start that timed out waiting for resources is Ray's to retry)."""
+    error = getattr(state, "training_failed_error", None)
+    if not isinstance(state, ReschedulingState) or not isinstance(error, ControllerError):
+        return None
+    failure = error.controller_failure
+    if isinstance(failure, WorkerGroupStartupFailedError) and isinstance(failure.__cause__, RayActorError):
+        return failure.__cause__
+    return None
+
+
+class FailureRecorder(ControllerCallback):
+    """Runs on the controller, at each of its state changes.
+
+    Each failure of the worker group that Ray Train decides on (a `WorkerGroupError`: the controller
+    moves to `RestartingState`, or to `ErroredState` when no restart is left) becomes one `failure`
+    event: the short cause per rank (`plain_cause`) as a tag and in the event, Ray's full text per rank
+    under `details` (`raytrain_ft.recovery` turns the events into the recovery history and the `restarts`
+    metric when the next attempt starts). One event per decision, however many polls reported the
+    ranks' errors and whether or not the attempt got as far as its restore: every restart is counted
+    once, as Ray Train counts it against `max_failures`.
+
+    A worker actor that dies while Ray Train sets the worker group up (creating the actors, the
+    process group, the train context) ends the controller's run with that actor's `RayActorError`, for
+    the driver to record and resume (`driver.failed_during_group_start`). Ray Train 2.60 wraps that
+    death in `WorkerGroupStartupFailedError`, a controller error it retries (`ReschedulingState`)
+    counted only against `controller_failure_limit` (unlimited by default), not `max_failures`: the
+    restart would be counted nowhere, and a worker that dies at every start would restart the group
+    forever. A death a moment later, while Ray launches the train function, already ends the run with
+    the actor's error (`ControllerError(ActorDiedError)`): both take the same path.
+
+    It records through the run's `RecorderActor` (`recorder_actor`), not an MLflow client of its own: Ray
+    Train ships the `RunConfig`, and with it this callback, to every worker at every worker-group
+    start, and unpickling it there imports this module; MLflow's import alone cost each restarted
+    worker ~0.8 s (`test_training_workers_do_not_import_mlflow`). Each record waits (at most
+    `TRACKING_TIMEOUT_S`), so the failure is in the run history before the next attempt reads it; a
+    tracking error is logged and never decides whether Ray restarts the group (Ray Train ends the
+    run on an exception from a callback).
+    """
+
+    def __init__(self, recorder_actor: ray.actor.ActorHandle):
+        self.recorder_actor = recorder_actor
+
+    def after_controller_state_update(self, previous_state, current_state) -> None:
+        if (worker_exceptions := decided_failure(current_state)) is not None:
+            self.record(worker_exceptions)
+        elif (lost := lost_in_setup(current_state)) is not None:
+            raise lost  # Ray Train: ControllerError(RayActorError), not retried: fit() raises it
+
+    def record(self, worker_exceptions: dict[int, Exception]) -> None:
+        """The `failure` event of one worker-group failure (`worker_exceptions`: rank -> Ray's error)."""
         # Ray restarts the group only after this returns: one read, one tag write, one event file.
         causes = {str(rank): plain_cause(e) for rank, e in sorted(worker_exceptions.items())}
         try:

@@ -14,7 +14,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from raytrain_ft.config import Config, to_dict
 from raytrain_ft.errors import CheckpointError, UserError, find_user_error
-from raytrain_ft.launch.callbacks import ControllerCallback, describe, plain_cause
+from raytrain_ft.launch.callbacks import CommitAcknowledger, FailureRecorder, describe, plain_cause
 from raytrain_ft.launch.recorder_actor import RemoteRecorder, close, start_recorder_actor
 from raytrain_ft.launch.tracking_server import lasting_path, tracking_store
 from raytrain_ft.launch.worker import train_func
@@ -168,7 +168,7 @@ def _torch_trainer(cfg: Config, recorder_actor, run_id: str, run_root: str, max_
             storage_path=cfg.run.storage_path,
             failure_config=FailureConfig(max_failures=max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
-            callbacks=[ControllerCallback(recorder_actor, run_root)],  # type: ignore[list-item]
+            callbacks=[CommitAcknowledger(run_root), FailureRecorder(recorder_actor)],  # type: ignore[list-item]
         ),
     )
 
@@ -180,7 +180,8 @@ def failed_during_group_start(e: BaseException) -> bool:
     or `WorkerGroupStartupTimeoutError` (`ray/train/v2/_internal/execution/failure_handling/default.py`);
     a worker actor that dies after the group's setup, while the controller launches the train
     function (`WorkerGroup._start_impl`), raises `ActorDiedError` there unwrapped, and the failure
-    policy ends the run however many restarts are left."""
+    policy ends the run however many restarts are left. One that dies earlier, during the setup, ends
+    it the same way (`callbacks.FailureRecorder`)."""
     return isinstance(e, ControllerError) and isinstance(e.controller_failure, RayActorError)
 
 
@@ -245,10 +246,9 @@ def _fit(cfg: Config, uri: str) -> str:
 
 
 def _record_group_start_failure(recorder: RemoteRecorder, e: BaseException) -> None:
-    """A `failure` event for a worker lost while the group started, as `ControllerCallback` records the
-    others (Ray Train calls no user callback for a controller error). `source: group_start`: never
-    merged into the failure before it (`raytrain_ft.recovery.failures`). Which rank died is not
-    known here."""
+    """A `failure` event for a worker lost while the group started, as `FailureRecorder` records the
+    others (it records only worker-group failures: a controller error is not one). `source: group_start`.
+    Which rank died is not known here."""
     latest = recorder.latest_metrics()
     cause = f"a worker died while the worker group started ({plain_cause(getattr(e, 'controller_failure', e))})"
     recorder.tags({"last_failure_cause": cause})

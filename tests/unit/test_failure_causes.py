@@ -8,7 +8,7 @@ from raytrain_ft.config import load_config
 from raytrain_ft.faults import InjectedFault
 from raytrain_ft.launch.callbacks import describe, plain_cause
 from raytrain_ft.launch.driver import MAX_LINE, failure_line
-from raytrain_ft.recovery import CONSEQUENCE, KILLED, cause_text, failures, guard_rows, recovery_rows, totals
+from raytrain_ft.recovery import CONSEQUENCE, KILLED, cause_text, guard_rows, recovery_rows, totals
 
 # Ray 2.60's and torch 2.13's own words, captured on this machine: an actor that called os._exit
 # (SIGKILL reads the same), one that called sys.exit(3), a gloo all_reduce whose peer never joined
@@ -82,8 +82,8 @@ def test_the_cause_text_puts_root_causes_first_and_counts_the_peers():
     assert cause_text({"10": "B", "9": "A"}) == "rank 9: A; rank 10: B"  # ranks in numeric order
 
 
-# One run's events: attempt 1 from scratch; rank 1 killed at step 8 (reported twice: rank 1, then its
-# peer rank 0); attempt 2 resumes from step 5 and fails again (exit code) at step 12 with no resume yet.
+# One run's events: attempt 1 from scratch; rank 1 killed at step 8 (its peer rank 0 lost the connection);
+# attempt 2 resumes from step 5 and fails again (exit code) at step 12 with no resume yet.
 EVENTS = [
     {"kind": "attempt_start", "time": 100.0, "init_started_at": 95.0, "resumed_from": 0, "world_size": 2},
     {"kind": "first_step", "time": 101.0, "first_batch_at": 100.5},
@@ -91,25 +91,16 @@ EVENTS = [
     {
         "kind": "failure",
         "time": 110.0,
-        "causes": {"1": KILLED},
+        "causes": {"1": KILLED, "0": CONSEQUENCE},
         "last_step": 8,
         "step_time_s": 0.5,
         "world_size": 2,
     },
-    {"kind": "failure", "time": 110.5, "causes": {"0": CONSEQUENCE}, "last_step": 9, "step_time_s": 9, "world_size": 2},
     {"kind": "attempt_start", "time": 120.0, "init_started_at": 116.0, "resumed_from": 5, "world_size": 1},
     {"kind": "first_step", "time": 121.5, "first_batch_at": 121.0},
     {"kind": "failure", "time": 130.0, "causes": {"0": "exited with code 3"}, "last_step": 12, "step_time_s": 0.5},
 ]
 EVENTS[-1]["world_size"] = 1
-
-
-def test_a_failure_reported_per_rank_is_one_failure_with_the_first_time_and_step():
-    merged = failures(EVENTS)
-    assert [i for i, _ in merged] == [3, 7]
-    assert merged[0][1]["causes"] == {"0": CONSEQUENCE, "1": KILLED}
-    assert (merged[0][1]["time"], merged[0][1]["last_step"]) == (110.0, 8)
-    assert EVENTS[3]["causes"] == {"1": KILLED}  # the events themselves are not changed
 
 
 def test_recovery_rows_give_lost_steps_and_the_phases_after_each_failure():

@@ -1,8 +1,23 @@
-"""Counting restarts when a worker is lost while the group restarts (no Ray: the events alone)."""
+"""Counting restarts when a worker is lost while the group restarts: the events alone, and which of Ray
+Train's controller states are a failure to record (Ray's own state and error objects, no cluster)."""
 
 from __future__ import annotations
 
-from raytrain_ft.recovery import CONSEQUENCE, GROUP_START, KILLED, cause_text, failures, recovery_rows, totals
+from ray.exceptions import ActorDiedError
+from ray.train import ControllerError, WorkerGroupError
+from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError, WorkerGroupStartupTimeoutError
+from ray.train.v2._internal.execution.controller.state import (
+    ErroredState,
+    FinishedState,
+    ReschedulingState,
+    RestartingState,
+    RunningState,
+    ShuttingDownState,
+)
+
+from raytrain_ft.launch.callbacks import decided_failure, lost_in_setup
+from raytrain_ft.launch.driver import failed_during_group_start
+from raytrain_ft.recovery import CONSEQUENCE, GROUP_START, KILLED, failures, recovery_rows, totals
 
 
 def failure(t: float, causes: dict, **fields) -> dict:
@@ -17,16 +32,57 @@ def failure(t: float, causes: dict, **fields) -> dict:
     }
 
 
-def test_a_failure_during_the_group_start_is_a_restart_of_its_own():
+def attempt_start(t: float, resumed_from: int) -> dict:
+    return {"time": t, "kind": "attempt_start", "resumed_from": resumed_from, "world_size": 2}
+
+
+def test_every_failure_is_a_restart_even_one_that_struck_before_its_attempt_restored():
+    # rank 1 killed at step 6; the next group loses a worker while it starts (the driver's record); the
+    # one after loses rank 0 while it loads the checkpoint; the fourth resumes from step 5
+    group_start = "a worker died while the worker group started (killed)"
     events = [
-        {"time": 0.0, "kind": "attempt_start", "resumed_from": 0, "world_size": 2},
-        failure(10.0, {"1": KILLED}),
-        failure(10.1, {"0": CONSEQUENCE}),  # the same failure, reported for the other rank
-        failure(20.0, {GROUP_START: "a worker died while the worker group started (killed)"}, source=GROUP_START),
-        {"time": 30.0, "kind": "attempt_start", "resumed_from": 5, "world_size": 2},
+        attempt_start(0.0, 0),
+        failure(10.0, {"1": KILLED, "0": CONSEQUENCE}),
+        failure(20.0, {GROUP_START: group_start}, source=GROUP_START),
+        failure(30.0, {"0": KILLED}),
+        attempt_start(40.0, 5),
     ]
-    merged = failures(events)
-    assert [f["causes"] for _, f in merged] == [{"1": KILLED, "0": CONSEQUENCE}, events[3]["causes"]]
-    assert totals(recovery_rows(events))["restarts"] == 2
-    assert [r["resumed_from"] for r in recovery_rows(events)] == [5, 5]
-    assert cause_text(events[3]["causes"]).startswith("the worker group start: a worker died")
+    assert [i for i, _ in failures(events)] == [1, 2, 3]
+    rows = recovery_rows(events)
+    assert totals(rows)["restarts"] == 3
+    assert [r["resumed_from"] for r in rows] == [5, 5, 5]
+    assert [r["lost_steps"] for r in rows] == [1, 0, 0]  # step 6 is lost once, by the attempt that trained it
+    assert [r["lost_compute_s"] for r in rows] == [0.5, 0.0, 0.0]
+    assert [r["cause"] for r in rows] == [
+        f"rank 1: {KILLED}; rank 0: {CONSEQUENCE}",
+        f"the worker group start: {group_start}",
+        f"rank 0: {KILLED}",
+    ]
+
+
+def test_each_failure_ray_train_decides_on_is_recorded_once():
+    errors = {1: RuntimeError("killed"), 0: RuntimeError("peer lost")}
+    failed = WorkerGroupError("2 workers failed", errors)
+    assert decided_failure(RestartingState(failed)) == errors
+    assert decided_failure(ErroredState(failed)) == errors  # no restart left: the last failure, recorded too
+    # the way there is not a second record: shutting down to the error, running, finishing
+    for state in (ShuttingDownState(ErroredState(failed)), RunningState(), FinishedState()):
+        assert decided_failure(state) is None
+
+
+def start_failed_by(cause: BaseException) -> ControllerError:
+    """A `WorkerGroupStartupFailedError` raised from `cause`, as Ray Train's `_start_impl` raises it."""
+    try:
+        raise WorkerGroupStartupFailedError("At least one of the worker actors failed to initialize.") from cause
+    except WorkerGroupStartupFailedError as e:
+        return ControllerError(e)
+
+
+def test_a_worker_lost_during_the_group_setup_goes_to_the_driver_and_a_start_timeout_stays_rays():
+    died = ActorDiedError()
+    lost = lost_in_setup(ReschedulingState(start_failed_by(died)))
+    assert lost is died
+    assert failed_during_group_start(ControllerError(lost))  # what fit() raises once the callback re-raised it
+    assert lost_in_setup(ReschedulingState(ControllerError(WorkerGroupStartupTimeoutError(2)))) is None
+    assert lost_in_setup(ReschedulingState(start_failed_by(ValueError("not an actor death")))) is None
+    assert lost_in_setup(RestartingState(start_failed_by(died))) is None
