@@ -110,7 +110,7 @@ def test_the_remote_recorder_keeps_call_order_and_the_callers_timestamps(tmp_pat
 
 
 def test_a_tracking_failure_never_stops_a_restart(tmp_path, ray_local, caplog):
-    # Ray Train ends the run when a controller callback raises: a dead tracking actor must not
+    # Ray Train ends the run when a controller callback raises: a dead recorder actor must not
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     actor = start_recorder_actor(uri, start_or_resume_run(uri, "dead-actor", str(tmp_path / "run"), "dead-actor", {}))
     ray.kill(actor, no_restart=True)
