@@ -8,16 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import fsspec
 import torch
 import torch.distributed as dist
 
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import EpochOrder
 from raytrain_ft.data.position import BatchPlan
+from raytrain_ft.launch.run_files import read_latest_checkpoint, write_latest_checkpoint
 from raytrain_ft.tracking import RunLogger
-
-LATEST = "latest_checkpoint"
 
 
 class LocalSession:
@@ -25,21 +23,20 @@ class LocalSession:
         self.run_root, self.data_path, self.seed = run_root.rstrip("/"), data_path, seed
         self.tracking_uri, self.mlflow_run_id = tracking_uri, mlflow_run_id
         self.manifest = load_manifest(data_path)
-        self.fs, self.base = fsspec.core.url_to_fs(self.run_root)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
 
     def run_logger(self, attempt: bool) -> RunLogger:
         return RunLogger(self.tracking_uri, self.mlflow_run_id)  # in this process: no restarts here
 
     def latest_checkpoint(self) -> str | None:
-        path = f"{self.base}/{LATEST}"
-        return self.fs.cat_file(path).decode() if self.fs.exists(path) else None
+        return read_latest_checkpoint(self.run_root)
 
     def commit(self, step: int, path: str, metrics: dict[str, float]) -> None:
         if dist.get_rank() == 0:
-            self.fs.makedirs(self.base, exist_ok=True)
-            with self.fs.open(f"{self.base}/{LATEST}.tmp", "w") as f:
-                f.write(path)
-            self.fs.mv(f"{self.base}/{LATEST}.tmp", f"{self.base}/{LATEST}")
+            write_latest_checkpoint(self.run_root, path)
 
     def flush(self) -> None:
         dist.barrier()

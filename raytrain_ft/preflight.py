@@ -36,7 +36,7 @@ from raytrain_ft.data.manifest import Manifest, load_manifest
 from raytrain_ft.data.position import check_world_sizes
 from raytrain_ft.errors import CheckpointError, ConfigError, CorruptCheckpointError, UserError
 from raytrain_ft.integrity import ChecksummedReader
-from raytrain_ft.launch.run_files import read_extensions
+from raytrain_ft.launch.run_files import LATEST_CHECKPOINT_FILE, read_extensions
 from raytrain_ft.loop import check_data_fits, fingerprint
 from raytrain_ft.memory import check_fits
 from raytrain_ft.model import model_config
@@ -204,7 +204,8 @@ def check_run_state(run_root: str) -> None:
     """
     complete = sorted(s for s, done in list_step_dirs(run_root).items() if done)
     fs, base = fsspec.core.url_to_fs(run_root)
-    if complete and not fs.exists(f"{base.rstrip('/')}/{RAY_RUN_STATE}"):
+    records = (RAY_RUN_STATE, LATEST_CHECKPOINT_FILE)  # replica recovery commits in the latter
+    if complete and not any(fs.exists(f"{base.rstrip('/')}/{name}") for name in records):
         raise CheckpointError(
             f"{run_root} holds complete checkpoints (steps {', '.join(map(str, complete))}) but no {RAY_RUN_STATE}, "
             "Ray Train's record of which one is committed; restore that file to resume, or move the step-* "

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 class Session(Protocol):
     run_root: str  # the run's folder (local path or fsspec URL): checkpoints, fault markers, run id
     mlflow_run_id: str  # the run's MLflow run (recorded in each checkpoint)
+    rank: int  # this worker's rank in the run (the process group's rank; under replica recovery, the replica's)
 
     def run_logger(self, attempt: bool) -> RunLogger:
         """The run's MLflow logger (a `RunLogger`, or a proxy with its interface). `attempt=True`

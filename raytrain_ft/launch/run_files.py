@@ -65,6 +65,28 @@ def read_commit_ack(run_root: str) -> str | None:
         return None
 
 
+LATEST_CHECKPOINT_FILE = "latest_checkpoint"
+
+
+def write_latest_checkpoint(run_root: str, checkpoint_path: str) -> None:
+    """Commit `checkpoint_path` without Ray Train (`<run folder>/latest_checkpoint`; a run without
+    torchrun's or replica recovery's Ray reports): written to a temporary file and renamed, so it
+    always names a complete checkpoint."""
+    fs, base = fsspec.core.url_to_fs(run_root)
+    fs.makedirs(base, exist_ok=True)
+    path = f"{base.rstrip('/')}/{LATEST_CHECKPOINT_FILE}"
+    with fs.open(f"{path}.tmp", "w") as f:
+        f.write(checkpoint_path)
+    fs.mv(f"{path}.tmp", path)
+
+
+def read_latest_checkpoint(run_root: str) -> str | None:
+    """The checkpoint `write_latest_checkpoint` last committed; None before the first."""
+    fs, base = fsspec.core.url_to_fs(run_root)
+    path = f"{base.rstrip('/')}/{LATEST_CHECKPOINT_FILE}"
+    return fs.cat_file(path).decode() if fs.exists(path) else None
+
+
 EXTENSIONS_FILE = "extensions.json"
 
 
