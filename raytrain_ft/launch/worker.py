@@ -11,7 +11,7 @@ import torch
 from ray.train import Checkpoint, CheckpointUploadMode
 
 from raytrain_ft import loop
-from raytrain_ft.checkpoint import prune
+from raytrain_ft.checkpoint import prune, step_of
 from raytrain_ft.config import from_dict
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.position import BatchPlan
@@ -105,6 +105,9 @@ class ReplicaSession(RaySession):
         return read_latest_checkpoint(self.run_root)
 
     def commit(self, step: int, path: str, metrics: dict[str, float]) -> None:
+        current = read_latest_checkpoint(self.run_root)
+        if current is not None and step_of(current) >= step:  # another replica committed a newer one meanwhile
+            return
         write_latest_checkpoint(self.run_root, path)
         prune(self.run_root, step, self.keep)
 
