@@ -199,7 +199,9 @@ class Replicas:
         these files), then leave the quorum."""
         tensors = {**self.state.components[KEY_MODEL].state_dict(), **flat_optimizer_state(self.state)}
         record = {"step": self.manager.current_step(), "digest": state_digest(tensors)}
-        with fsspec.open(f"{run_root.rstrip('/')}/workers/replica{self.replica_index}.final.json", "w") as f:
+        with fsspec.open(
+            f"{run_root.rstrip('/')}/workers/replica{self.replica_index}.final.json", "w", auto_mkdir=True
+        ) as f:
             json.dump(record, f)
         self.manager.shutdown(wait=False)
 
