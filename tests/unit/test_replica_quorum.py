@@ -1,19 +1,31 @@
-"""`replicas.Replicas` against a real torchft lighthouse and Manager, one replica in this process
-(no Ray): the step's share comes from the quorum, the gradient and loss reductions, the audit's
-gather, the commit, and the final digest record. Two replicas, a kill and a heal: tests/test_replicas.py."""
+"""`replicas.Replicas` against a real torchft lighthouse and Managers in this process (no Ray): the
+step's share comes from the quorum, the gradient and loss reductions, the audit's gather, the
+commit, the final digest record, and a replica that joins late healing from its peer's memory. The
+Ray Train run with a SIGKILL: tests/test_replicas.py."""
 
 import json
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from raytrain_ft.config import load_config
-from raytrain_ft.data.position import BatchPlan
+from raytrain_ft.data.position import BatchPlan, DataPosition
 from raytrain_ft.parallel import Parallel
 from raytrain_ft.replicas import Replicas, Share, flat_optimizer_state, state_digest
-from raytrain_ft.train_state import KEY_MODEL, KEY_OPTIM, ModelState, OptimizerState, TrainState
+from raytrain_ft.train_state import (
+    KEY_DATA,
+    KEY_MODEL,
+    KEY_OPTIM,
+    KEY_PROGRESS,
+    ModelState,
+    OptimizerState,
+    Pickled,
+    Progress,
+    TrainState,
+)
 
 torchft = pytest.importorskip("torchft")
 
@@ -26,16 +38,22 @@ def free_port() -> int:
 
 @pytest.fixture
 def lighthouse(monkeypatch):
+    """A lighthouse; `replica_store()` points the next Manager at a replica group store of its own
+    (the Manager reads the store and lighthouse addresses from the environment when built)."""
     from torchft.coordination import LighthouseServer
 
     server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", server.address())
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    yield
-    del store
+    stores = []
+
+    def replica_store() -> None:
+        port = free_port()
+        stores.append(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False))
+        monkeypatch.setenv("MASTER_PORT", str(port))
+
+    replica_store()
+    yield replica_store
     server.shutdown()
 
 
@@ -67,3 +85,65 @@ def test_one_replica_trains_the_whole_batch_and_commits(lighthouse, tmp_path):
     expected = state_digest({**model.state_dict(), **flat_optimizer_state(state)})
     assert record == {"step": 6, "digest": expected}
     assert any(k.startswith("optim.state.weight.") for k in record["digest"])
+
+
+class Replica:
+    """A replica's model, optimizer and progress, and the loop's step reduced to its replica calls."""
+
+    def __init__(self, cfg, index: int, data: torch.Tensor):
+        torch.manual_seed(0)  # every replica initialises the same weights
+        self.model = torch.nn.Linear(3, 1)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.1)
+        self.progress, self.position, self.data = Progress(), DataPosition(), data
+        self.state = TrainState(0)
+        self.state.add(KEY_MODEL, ModelState(self.model))
+        self.state.add(KEY_OPTIM, OptimizerState(self.model, self.optimizer))
+        self.state.add(KEY_PROGRESS, Pickled(self.progress))
+        self.state.add(KEY_DATA, Pickled(self.position))
+        self.replicas = Replicas(cfg, self.state, index, step=0)
+        self.par = Parallel("ddp", self.model, self.model, 1, 1, 0, False)
+        self.participants: list[int] = []
+
+    def step(self) -> None:
+        share = self.replicas.begin()
+        g = share.plan.global_batch_size
+        lo, hi = share.plan.span(share.rank)
+        batch = self.data[self.position.consumed : self.position.consumed + g][lo:hi]
+        (self.model(batch).pow(2).sum() / g * share.plan.world_size).backward()  # pass weight n x P / G
+        self.replicas.reduce(self.par, 0.0)
+        if self.replicas.commit():
+            self.optimizer.step()
+            self.progress.step += 1
+            self.position.advance(g, steps_per_epoch=100)
+            self.participants.append(share.plan.world_size)
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def test_a_replica_that_joins_late_heals_from_its_peer_and_both_stay_bitwise_equal(lighthouse):
+    cfg = load_config(None, ["failure.recovery=replica", "train.global_batch_size=4", "train.micro_batch_size=1"])
+    data = torch.randn(40, 3)
+    a = Replica(cfg, 0, data)
+    for _ in range(3):  # alone: the whole global batch of 4 each step
+        a.step()
+    lighthouse()
+    b = Replica(cfg, 1, data)  # a replacement: fresh state, step 0
+    with ThreadPoolExecutor(2) as pool:  # a may train alone on until b's first quorum
+        for f in [
+            pool.submit(lambda r=r: [r.step() for _ in iter(lambda: r.progress.step < 7, False)]) for r in (a, b)
+        ]:
+            f.result()
+    joint = len(b.participants)  # b healed at a's step (7 - joint) and trained every step after it with a
+    assert joint >= 1 and b.participants == [2] * joint and a.participants == [1] * (7 - joint) + [2] * joint
+    assert b.replicas.manager.current_step() == 7
+    assert a.position == b.position == DataPosition(0, 28)  # healed, then advanced only by commits
+    for key in (KEY_MODEL, KEY_OPTIM):  # bitwise equal weights and AdamW state
+        ours, theirs = dict(flat(a.state, key)), dict(flat(b.state, key))
+        assert ours and ours.keys() == theirs.keys(), key
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), key
+    assert not torch.equal(a.model.weight, Replica(cfg, 2, data).model.weight)  # it trained
+    for r in (a, b):
+        r.replicas.manager.shutdown(wait=False)
+
+
+def flat(state: TrainState, key: str):
+    return flat_optimizer_state(state).items() if key == KEY_OPTIM else state.components[key].state_dict().items()
