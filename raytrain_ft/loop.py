@@ -7,7 +7,10 @@ builds the model, optimizer, schedule and the checkpointed state, restores, then
 (global grad norm) -> spike guard (all ranks agree) -> wait for the checkpoint snapshot ->
 optimizer step or skip -> LR scheduler -> advance the data position -> held-out validation at its
 interval (`validation`) -> rank check and replica fingerprint at their intervals -> roll back
-after persistent spikes, else commit/save.
+after persistent spikes, else commit/save. Who trains a step, the split, the gradient reduction
+across replicas and whether the step counts are the step members' (`replicas`: the whole group
+under restart recovery, a torchft quorum of replicas under replica recovery); the loop calls them
+the same way in both modes.
 
 The per-step side work runs in step hooks (`raytrain_ft.hooks`), in this order: fault injection
 (`faults`), rank 0's goodput ledger (`goodput.StepAccount`: every second of wall time in one
