@@ -98,11 +98,16 @@ def test_a_replica_killed_between_steps_is_replaced_while_the_other_keeps_traini
     expected = window_sample_ids(cfg.data.path, manifest, cfg.train.seed, DataPosition(), plan, STEPS)
     audit = read_audit(root).to_pydict()
     trained: dict[int, list[int]] = {}  # rows come rank by rank, each rank's span in lane order
-    for step, sample in zip(audit["step"], audit["sample_id"], strict=True):
+    participants: dict[int, set[int]] = {}
+    for step, rank, sample in zip(audit["step"], audit["rank"], audit["sample_id"], strict=True):
         trained.setdefault(step, []).append(sample)
+        participants.setdefault(step, set()).add(rank)
     assert sorted(trained) == list(range(1, STEPS + 1))
     for step, ids in trained.items():
         assert ids == expected[(step - 1) * g : step * g], step
+    # the survivor trained some steps alone after the kill, and the healed replacement joined it again
+    alone = [s for s, ranks in participants.items() if len(ranks) == 1 and s > kill_after]
+    assert alone and len(participants[STEPS]) == 2, {s: len(r) for s, r in participants.items()}
     # the LR of every step is the schedule's
     assert metric_by_step(cfg, run_id, "lr") == uninterrupted_lrs(cfg.train)
     # both replicas ended bitwise equal to each other and to the final checkpoint
