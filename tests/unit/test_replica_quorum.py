@@ -147,3 +147,41 @@ def test_a_replica_that_joins_late_heals_from_its_peer_and_both_stay_bitwise_equ
 
 def flat(state: TrainState, key: str):
     return flat_optimizer_state(state).items() if key == KEY_OPTIM else state.components[key].state_dict().items()
+
+
+def test_a_step_whose_peer_dies_in_the_all_reduce_does_not_commit_and_is_trained_again(lighthouse):
+    cfg = load_config(None, ["failure.recovery=replica", "train.global_batch_size=4", "train.micro_batch_size=1"])
+    data = torch.randn(40, 3)
+    a = Replica(cfg, 0, data)
+    lighthouse()
+    b = Replica(cfg, 1, data)
+    with ThreadPoolExecutor(2) as pool:  # both in the quorum
+        for f in [
+            pool.submit(lambda r=r: [r.step() for _ in iter(lambda: r.progress.step < 2, False)]) for r in (a, b)
+        ]:
+            f.result()
+    assert b.participants[-1] == 2 and a.participants[-1] == 2
+
+    def b_dies() -> None:  # b joins the next quorum, then its process group and manager go away
+        b.replicas.begin()
+        b.replicas.manager._pg.abort()
+        b.replicas.manager.shutdown(wait=False)
+
+    def a_trains() -> list[bool]:
+        a.replicas.begin()
+        g = a.replicas.share.plan.global_batch_size
+        (a.model(data[a.position.consumed : a.position.consumed + g]).sum()).backward()
+        a.replicas.reduce(a.par, 0.0)
+        committed = a.replicas.commit()
+        a.optimizer.zero_grad(set_to_none=True)
+        return committed
+
+    with ThreadPoolExecutor(2) as pool:
+        dying, training = pool.submit(b_dies), pool.submit(a_trains)
+        dying.result()
+        assert training.result() is False  # the all-reduce failed: the step does not count
+    before = (a.progress.step, DataPosition(a.position.epoch, a.position.consumed))
+    a.step()  # the same step again, alone, from the same data position
+    assert a.participants[-1] == 1 and a.progress.step == before[0] + 1
+    assert a.position == DataPosition(0, before[1].consumed + 4)
+    a.replicas.manager.shutdown(wait=False)
