@@ -275,7 +275,9 @@ class Trainer:
             seed_rngs(cfg.train.seed + self.progress.step, self.rank)
         self.watchdog.beat(step_done=False)  # restoring a large checkpoint is neither a hang nor a step
         share = Share(self.plan, self.rank)
-        self.members = step_members(cfg, share, self.group, self.state, self.progress.step, session.rank)
+        self.members = step_members(
+            cfg, share, self.group, self.state, self.progress.step, session.rank, {"audit": self.audit}
+        )
         self.save_due = self.preemption_saved = False
         self.done = self.progress.step >= cfg.train.max_steps  # a finished run submitted again
         failure_times = self.start_attempt(init_started_at, resumed_from, KEY_GOODPUT in loaded) if self.logger else []

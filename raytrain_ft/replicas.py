@@ -54,6 +54,7 @@ import fsspec
 import torch
 import torch.distributed as dist
 import xxhash
+from torch.distributed.checkpoint.stateful import Stateful
 
 from raytrain_ft.config import Config
 from raytrain_ft.data.position import BatchPlan
@@ -115,13 +116,17 @@ class Replicas:
         state: this replica's train state; its components are what a healing peer receives.
         replica_index: this replica's Ray Train world rank (its torchft replica id, `replica_<i>`).
         step: the progress step after the restore (the Manager's step).
+        heal_only: what a healing peer receives besides `state` and no checkpoint holds (the data
+            audit's buffered steps: those trained before this replica joined are written by
+            whichever replica commits next).
     """
 
-    def __init__(self, cfg: Config, state: TrainState, replica_index: int, step: int):
+    def __init__(self, cfg: Config, state: TrainState, replica_index: int, step: int, heal_only: dict[str, Stateful]):
         from torchft import Manager, ProcessGroupGloo  # the `[ft]` extra: imported only in this mode
 
         self.global_batch_size, self.micro_batch_size = cfg.train.global_batch_size, cfg.train.micro_batch_size
         self.state, self.replica_index = state, replica_index
+        self.healed = {k: c for k, c in state.components.items() if k not in NOT_HEALED} | heal_only
         timeout = timedelta(seconds=TIMEOUT_S)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout),
@@ -141,11 +146,11 @@ class Replicas:
         self.share: Share | None = None
 
     def _state_dict(self) -> dict[str, Any]:
-        return {k: c.state_dict() for k, c in self.state.components.items() if k not in NOT_HEALED}
+        return {k: c.state_dict() for k, c in self.healed.items()}
 
     def _load(self, healed: dict[str, Any]) -> None:
         for key, value in healed.items():
-            self.state.components[key].load_state_dict(value)
+            self.healed[key].load_state_dict(value)
         log.warning("replica %d: healed from a live peer", self.replica_index)
 
     def begin(self) -> Share:
@@ -236,11 +241,17 @@ def first_share(cfg: Config, plan: BatchPlan, rank: int, replica_index: int) -> 
 
 
 def step_members(
-    cfg: Config, share: Share, group: dist.ProcessGroup, state: TrainState, step: int, replica_index: int
+    cfg: Config,
+    share: Share,
+    group: dist.ProcessGroup,
+    state: TrainState,
+    step: int,
+    replica_index: int,
+    heal_only: dict[str, Stateful],
 ) -> StepMembers:
     """The `StepMembers` of `cfg.failure.recovery`. `share`: the whole group's fixed split (restart);
-    `group`: the CPU group the whole group gathers on; `state`, `step`: what a heal replaces, and its
-    step; `replica_index`: this worker's rank in the run (`Session.rank`)."""
+    `group`: the CPU group the whole group gathers on; `state`, `step`, `heal_only`: what a heal
+    replaces (`Replicas`), and its step; `replica_index`: this worker's rank in the run (`Session.rank`)."""
     if cfg.failure.recovery == "replica":
-        return Replicas(cfg, state, replica_index, step)
+        return Replicas(cfg, state, replica_index, step, heal_only)
     return WholeGroup(share, group)

@@ -60,6 +60,19 @@ class DataAudit(StepHook):
         """Drop buffered steps after `step` (their work was rolled back)."""
         self.rows = [(s, ids) for s, ids in self.rows if s <= step]
 
+    def state_dict(self) -> dict:
+        """The buffered (not yet written) steps: `steps` (n,) int64 and `ids`, n int64 tensors of
+        shape (ranks of the step, width). Not checkpointed: a replica that heals under replica
+        recovery takes its peer's (`raytrain_ft.replicas`), so the steps trained before it joined
+        are written by whichever replica commits the next checkpoint."""
+        return {
+            "steps": torch.tensor([s for s, _ in self.rows], dtype=torch.int64),
+            "ids": [torch.from_numpy(ids) for _, ids in self.rows],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rows = [(int(s), ids.numpy()) for s, ids in zip(state["steps"], state["ids"], strict=True)]
+
     def flush(self) -> None:
         """Write the buffered steps (rank 0; called when a checkpoint commits)."""
         if not self.enabled or dist.get_rank() != 0 or not self.rows:

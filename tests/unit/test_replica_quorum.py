@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from raytrain_ft.config import load_config
+from raytrain_ft.data.audit import DataAudit
 from raytrain_ft.data.position import BatchPlan, DataPosition
 from raytrain_ft.parallel import Parallel
 from raytrain_ft.replicas import Replicas, Share, flat_optimizer_state, state_digest
@@ -64,7 +65,7 @@ def test_one_replica_trains_the_whole_batch_and_commits(lighthouse, tmp_path):
     state = TrainState(0)
     state.add(KEY_MODEL, ModelState(model))
     state.add(KEY_OPTIM, OptimizerState(model, optimizer))
-    replicas = Replicas(cfg, state, replica_index=0, step=5)
+    replicas = Replicas(cfg, state, replica_index=0, step=5, heal_only={})
 
     share = replicas.begin()
     assert share == Share(BatchPlan(8, cfg.train.micro_batch_size, 1), 0)
@@ -100,7 +101,8 @@ class Replica:
         self.state.add(KEY_OPTIM, OptimizerState(self.model, self.optimizer))
         self.state.add(KEY_PROGRESS, Pickled(self.progress))
         self.state.add(KEY_DATA, Pickled(self.position))
-        self.replicas = Replicas(cfg, self.state, index, step=0)
+        self.audit = DataAudit("unused", lambda ids: self.replicas.gather(ids), enabled=True, width=4)
+        self.replicas = Replicas(cfg, self.state, index, step=0, heal_only={"audit": self.audit})
         self.par = Parallel("ddp", self.model, self.model, 1, 1, 0, False)
         self.participants: list[int] = []
 
@@ -109,6 +111,9 @@ class Replica:
         g = share.plan.global_batch_size
         lo, hi = share.plan.span(share.rank)
         batch = self.data[self.position.consumed : self.position.consumed + g][lo:hi]
+        self.audit.record(
+            self.progress.step + 1, torch.arange(self.position.consumed, self.position.consumed + g)[lo:hi]
+        )
         (self.model(batch).pow(2).sum() / g * share.plan.world_size).backward()  # pass weight n x P / G
         self.replicas.reduce(self.par, 0.0)
         if self.replicas.commit():
@@ -119,7 +124,7 @@ class Replica:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def test_a_replica_that_joins_late_heals_from_its_peer_and_both_stay_bitwise_equal(lighthouse):
+def test_a_replica_that_joins_late_heals_from_its_peer_and_both_stay_bitwise_equal(lighthouse, process_group):
     cfg = load_config(None, ["failure.recovery=replica", "train.global_batch_size=4", "train.micro_batch_size=1"])
     data = torch.randn(40, 3)
     a = Replica(cfg, 0, data)
@@ -136,6 +141,9 @@ def test_a_replica_that_joins_late_heals_from_its_peer_and_both_stay_bitwise_equ
     assert joint >= 1 and b.participants == [2] * joint and a.participants == [1] * (7 - joint) + [2] * joint
     assert b.replicas.manager.current_step() == 7
     assert a.position == b.position == DataPosition(0, 28)  # healed, then advanced only by commits
+    # b holds the audit of the steps a trained before b joined, so whichever commits next writes them
+    assert [s for s, _ in b.audit.rows] == [s for s, _ in a.audit.rows] == list(range(1, 8))
+    assert all((x == y).all() for (_, x), (_, y) in zip(a.audit.rows, b.audit.rows, strict=True))
     for key in (KEY_MODEL, KEY_OPTIM):  # bitwise equal weights and AdamW state
         ours, theirs = dict(flat(a.state, key)), dict(flat(b.state, key))
         assert ours and ours.keys() == theirs.keys(), key
@@ -149,7 +157,7 @@ def flat(state: TrainState, key: str):
     return flat_optimizer_state(state).items() if key == KEY_OPTIM else state.components[key].state_dict().items()
 
 
-def test_a_step_whose_peer_dies_in_the_all_reduce_does_not_commit_and_is_trained_again(lighthouse):
+def test_a_step_whose_peer_dies_in_the_all_reduce_does_not_commit_and_is_trained_again(lighthouse, process_group):
     cfg = load_config(None, ["failure.recovery=replica", "train.global_batch_size=4", "train.micro_batch_size=1"])
     data = torch.randn(40, 3)
     a = Replica(cfg, 0, data)
