@@ -44,11 +44,13 @@ class LocalSession:
     def preemption_pending(self) -> bool:
         return False
 
-    def micro_batches(self, epoch: int, start: int, stop: int, plan: BatchPlan) -> Iterator[dict[str, torch.Tensor]]:
+    def micro_batches(
+        self, epoch: int, start: int, stop: int, plan: BatchPlan, rank: int
+    ) -> Iterator[dict[str, torch.Tensor]]:
         order = EpochOrder(
             self.data_path, self.manifest, self.seed, epoch, plan.global_batch_size, plan.micro_batch_size
         )
-        lanes = plan.lanes(dist.get_rank())
+        lanes = plan.lanes(rank)
         tables = (order.read([p]) for p in order.pieces(lanes, start, stop))
         for mb in order.micro_batches(lanes, start, stop, tables):
             yield {k: torch.from_numpy(v) for k, v in mb.items()}

@@ -116,7 +116,7 @@ def step_batches(
     epoch, start = position.epoch, position.consumed // plan.global_batch_size
     lanes = len(plan.lanes(rank))
     while True:
-        micro = session.micro_batches(epoch, start, steps_per_epoch, plan)
+        micro = session.micro_batches(epoch, start, steps_per_epoch, plan, rank)
         for _ in range(steps_per_epoch - start):
             yield plan.passes(rank, [next(micro) for _ in range(lanes)])
         epoch, start = epoch + 1, 0

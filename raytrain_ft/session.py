@@ -40,8 +40,12 @@ class Session(Protocol):
     def preemption_pending(self) -> bool:
         """True once a node of this run is about to be preempted (same answer on every rank)."""
 
-    def micro_batches(self, epoch: int, start: int, stop: int, plan: BatchPlan) -> Iterator[dict[str, torch.Tensor]]:
-        """This rank's micro-batches for steps [start, stop) of `epoch` (`plan.lanes(rank)` of each step), in order.
+    def micro_batches(
+        self, epoch: int, start: int, stop: int, plan: BatchPlan, rank: int
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """The micro-batches of `rank` of `plan` for steps [start, stop) of `epoch` (`plan.lanes(rank)`
+        of each step), in order. `rank` is this worker's place in the step's split: its process-group
+        rank, or under replica recovery its rank in the step's quorum (not `self.rank`).
 
         Each item: `tokens` int64 (micro_batch_size, seq_len + 1), `sample_id` int64 (micro_batch_size,).
         """

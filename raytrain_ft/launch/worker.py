@@ -83,8 +83,10 @@ class RaySession:
         # A collective in Ray Train (rank 0's view is broadcast): the loop calls it on every rank each step.
         return ray.train.get_preemption_info() is not None
 
-    def micro_batches(self, epoch: int, start: int, stop: int, plan: BatchPlan) -> Iterator[dict[str, torch.Tensor]]:
-        return rank_micro_batches(self.data_path, self.manifest, self.seed, epoch, start, stop, plan, self.rank)
+    def micro_batches(
+        self, epoch: int, start: int, stop: int, plan: BatchPlan, rank: int
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        return rank_micro_batches(self.data_path, self.manifest, self.seed, epoch, start, stop, plan, rank)
 
 
 class ReplicaSession(RaySession):
