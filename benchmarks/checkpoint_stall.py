@@ -33,9 +33,10 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from raytrain_ft import checkpoint
-from raytrain_ft.checkpoint import Checkpointer, step_path
+from raytrain_ft.checkpoint import Checkpointer
 from raytrain_ft.integrity import ChecksummedWriter
 from raytrain_ft.model import build_model, lm_loss
+from raytrain_ft.run_folder import step_path
 from raytrain_ft.train_state import KEY_META, ModelState, OptimizerState, RunMeta, TrainState
 from report import default_out, report, scratch
 

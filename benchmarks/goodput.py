@@ -1,7 +1,7 @@
 """Goodput and recovery under SIGKILLs at random moments, against the Young/Daly bound and a plain Ray Train restart.
 
 Failures strike like real ones: this script, not the training loop, SIGKILLs a worker process
-(`<run folder>/workers/rank<r>.json`, `raytrain_ft.launch.run_files.worker_records`) at a seeded
+(`<run folder>/workers/rank<r>.json`, `raytrain_ft.run_folder.worker_records`) at a seeded
 random moment: an exponential gap (mean `--mtbf-s`, 60 s) of training after the attempt's first
 step, on a random rank. The loop knows nothing; a save may be in flight.
 
@@ -60,11 +60,11 @@ from raytrain_ft.config import load_config
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.prepare import PrepareSettings, prepare
 from raytrain_ft.interval import daly_interval_s, expected_waste_fraction
-from raytrain_ft.launch.run_files import worker_records, write_worker_record
-from raytrain_ft.launch.trainer import RAY_NODE_ENV, WORKER_ENV, run
+from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV, run
 from raytrain_ft.model import build_model, lm_loss
 from raytrain_ft.recovery import failures, recovery_rows
-from raytrain_ft.tracking import GOODPUT_SUMMARY, RunLogger, steps_logged_since
+from raytrain_ft.run_folder import worker_records, write_worker_record
+from raytrain_ft.tracking import GOODPUT_SUMMARY, MlflowRecorder, steps_logged_since
 from report import default_out, report, scratch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -161,7 +161,7 @@ def ours(root: str, gaps_s: list[float], mtbf_s: float, step_s: float, tail_s: f
     assert result.get("value") == run_id, "the raytrain-ft run did not finish"
     with open(client.download_artifacts(run_id, GOODPUT_SUMMARY)) as f:
         summary = json.load(f)
-    events = RunLogger(cfg.tracking.uri, run_id).events()
+    events = MlflowRecorder(cfg.tracking.uri, run_id).events()
     detected = [f["time"] for _, f in failures(events)]
     rows = recovery_rows(events)
     assert len(rows) == len(kills), f"{len(kills)} kills but {len(rows)} failures recorded"
@@ -178,7 +178,9 @@ def ours(root: str, gaps_s: list[float], mtbf_s: float, step_s: float, tail_s: f
         "recoveries": recoveries,
         "checkpoint_cost_s": statistics.mean(m.value for m in client.get_metric_history(run_id, "checkpoint_cost_s")),
         "auto_interval_steps": [int(m.value) for m in client.get_metric_history(run_id, "checkpoint_interval_steps")],
-        "median_step_time_s": statistics.median(m.value for m in client.get_metric_history(run_id, "step_time_s")),
+        "median_step_time_s": statistics.median(
+            m.value for m in client.get_metric_history(run_id, "train/step_time_s")
+        ),
         "max_steps": max_steps,
     }
 

@@ -64,12 +64,13 @@ def main() -> int:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from raytrain_ft.checkpoint import Checkpointer, load_model_state_dict, step_path
+    from raytrain_ft.checkpoint import Checkpointer, load_model_state_dict
     from raytrain_ft.config import load_config
     from raytrain_ft.hardware import GPUS
     from raytrain_ft.memory import plan
     from raytrain_ft.model import flops_per_token, lm_loss
     from raytrain_ft.parallel import build, local
+    from raytrain_ft.run_folder import step_path
     from raytrain_ft.train_state import ModelState, OptimizerState, TrainState
 
     root = tempfile.mkdtemp(prefix="gpu-check-")
@@ -99,7 +100,7 @@ def main() -> int:
         def forward_backward() -> torch.Tensor:
             optimizer.zero_grad(set_to_none=True)
             with par.micro_batch(last=True):
-                loss = lm_loss(par.module, tokens)
+                loss = lm_loss(par.forward_module, tokens)
             loss.backward()
             return loss
 

@@ -31,14 +31,15 @@ from scipy import stats
 from raytrain_ft.config import load_config
 from raytrain_ft.data.prepare import PrepareSettings, prepare
 from raytrain_ft.local_session import LocalSession
-from raytrain_ft.loop import Trainer
+from raytrain_ft.loop import Trainer, forward_backward
+from raytrain_ft.replicas import Share
 from raytrain_ft.tracking import start_or_resume_run
 from report import default_out, report, scratch
 
 
 def bare_step(t: Trainer) -> None:
-    micro_batches = next(t.batches)
-    t.forward_backward(micro_batches, 1.0)
+    passes = t.batches.take(t.position, Share(t.plan, t.rank))  # the position stays: the same batch each call
+    forward_backward(t.par, t.plan, passes, 1.0, t.device)
     t.par.clip_grad_norm_(t.cfg.train.grad_clip)
     t.optimizer.step()
     t.optimizer.zero_grad(set_to_none=True)
@@ -48,6 +49,7 @@ def worker(rank: int, args, cfg, uri: str, run_id: str, store: str, out: str) ->
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     t = Trainer(cfg, LocalSession(os.path.join(cfg.run.storage_path, cfg.run.name), cfg.data.path, 0, uri, run_id))
+    t.begin()
     for _ in range(args.steps - 1):  # warm-up, and the next full round starts at a checkpoint step
         t.step()
     t.checkpointer.wait()

@@ -29,10 +29,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
-from raytrain_ft.checkpoint import Checkpointer, step_path
+from raytrain_ft.checkpoint import Checkpointer
 from raytrain_ft.config import load_config
 from raytrain_ft.model import lm_loss
 from raytrain_ft.parallel import build, local
+from raytrain_ft.run_folder import step_path
 from raytrain_ft.train_state import KEY_MODEL, KEY_OPTIM, ModelState, OptimizerState, TrainState
 from report import default_out, report, scratch
 
@@ -57,7 +58,7 @@ def worker(rank: int, args, root: str, out: str) -> None:
 
     def forward_backward(par) -> None:
         with par.micro_batch(last=True):
-            lm_loss(par.module, tokens).backward()
+            lm_loss(par.forward_module, tokens).backward()
 
     def step(par, optimizer) -> None:
         forward_backward(par)

@@ -14,7 +14,7 @@ import ray
 
 from raytrain_ft.config import load_config
 from raytrain_ft.errors import UserError
-from raytrain_ft.launch.trainer import RAY_NODE_ENV, WORKER_ENV, Terminated, run
+from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV, Terminated, run
 
 
 def init_ray(num_cpus: int) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import os
 import shutil
@@ -42,22 +41,16 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
 from raytrain_ft.errors import CheckpointError, CorruptCheckpointError, StorageFullError
-from raytrain_ft.integrity import METADATA_FILE, ChecksummedReader, ChecksummedWriter, CompleteLoadPlanner
-from raytrain_ft.schedule import extension_refusal
+from raytrain_ft.fingerprint import check_fingerprint
+from raytrain_ft.integrity import ChecksummedReader, ChecksummedWriter, CompleteLoadPlanner
+from raytrain_ft.run_folder import complete_steps, list_step_dirs, step_of, step_path
 from raytrain_ft.session import Session
 from raytrain_ft.train_state import KEY_META, KEY_MODEL, RunMeta, TrainState, missing_components
 
 if TYPE_CHECKING:
-    from raytrain_ft.tracking import RunLogger
+    from raytrain_ft.recorder import Recorder
 
 log = logging.getLogger(__name__)
-
-STEP_PREFIX = "step-"
-RAY_RUN_STATE = "checkpoint_manager_snapshot.json"  # Ray Train's record of the committed checkpoints
-
-
-def step_path(root: str, step: int) -> str:
-    return f"{root.rstrip('/')}/{STEP_PREFIX}{step}"
 
 
 def space_message(root: str, step: int, needed: int, free: int) -> str:
@@ -76,10 +69,10 @@ def _free_bytes(root: str) -> int:
 
 def _newest_size(root: str) -> int:
     """Bytes of the newest complete checkpoint under `root` (0 before the first one)."""
-    complete = [s for s, done in list_step_dirs(root).items() if done]
+    complete = complete_steps(root)
     if not complete:
         return 0
-    folder = step_path(root, max(complete)).removeprefix("file://")
+    folder = step_path(root, complete[-1]).removeprefix("file://")
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
 
 
@@ -94,42 +87,12 @@ def _out_of_space(exc: BaseException | None) -> bool:
     return False
 
 
-def step_of(path: str) -> int:
-    return int(path.rstrip("/").rsplit("/", 1)[-1][len(STEP_PREFIX) :])
-
-
-def list_step_dirs(root: str) -> dict[int, bool]:
-    """{step: complete} for every `step-N` folder under `root` (complete = has DCP metadata)."""
-    fs, base = fsspec.core.url_to_fs(root)
-    if not fs.exists(base):
-        return {}
-    out = {}
-    for p in fs.ls(base, detail=False):
-        name = p.rstrip("/").rsplit("/", 1)[-1]
-        if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX) :].isdigit():
-            out[int(name[len(STEP_PREFIX) :])] = fs.exists(f"{p}/{METADATA_FILE}")
-    return out
-
-
-def committed_steps(root: str) -> list[int]:
-    """Steps of the committed checkpoints under the run folder `root`, oldest first: those Ray Train's run
-    state lists (`RAY_RUN_STATE`, its `checkpoint_results`), or every complete `step-N` folder of a run
-    without one (`raytrain_ft.local_session`)."""
-    fs, base = fsspec.core.url_to_fs(root)
-    state = f"{base.rstrip('/')}/{RAY_RUN_STATE}"
-    complete = sorted(s for s, done in list_step_dirs(root).items() if done)
-    if not fs.exists(state):
-        return complete
-    names = {r["checkpoint_dir_name"] for r in json.loads(fs.cat_file(state))["checkpoint_results"]}
-    return [s for s in complete if f"{STEP_PREFIX}{s}" in names]
-
-
 def cleanup(root: str, committed_step: int) -> list[int]:
     """Delete folders of saves that never committed; return their steps (rank 0 only)."""
-    fs, base = fsspec.core.url_to_fs(root)
     removed = [s for s, complete in list_step_dirs(root).items() if s > committed_step or not complete]
     for s in removed:
-        fs.rm(f"{base.rstrip('/')}/{STEP_PREFIX}{s}", recursive=True)
+        fs, base = fsspec.core.url_to_fs(step_path(root, s))
+        fs.rm(base, recursive=True)
     return sorted(removed)
 
 
@@ -139,12 +102,12 @@ def prune(root: str, committed_step: int, keep: int) -> list[int]:
     For commits made without Ray Train, whose `CheckpointConfig(num_to_keep)` does this otherwise
     (replica recovery: `raytrain_ft.launch.worker.ReplicaSession`). Only the committing writer calls
     it: no other writes an older step."""
-    fs, base = fsspec.core.url_to_fs(root)
     older = list_step_dirs(root)
     kept = sorted((s for s, done in older.items() if done and s < committed_step), reverse=True)[: keep - 1]
     removed = sorted(s for s in older if s < committed_step and s not in kept)
     for s in removed:
-        fs.rm(f"{base.rstrip('/')}/{STEP_PREFIX}{s}", recursive=True)
+        fs, base = fsspec.core.url_to_fs(step_path(root, s))
+        fs.rm(base, recursive=True)
     return removed
 
 
@@ -343,24 +306,14 @@ class Checkpointer:
         current = cast(RunMeta, state.components[KEY_META])
         saved = RunMeta(fingerprint={})
         dcp.load({KEY_META: saved}, storage_reader=reader, process_group=self.save_group)
-        diff = {
-            k: (saved.fingerprint.get(k), v) for k, v in current.fingerprint.items() if saved.fingerprint.get(k) != v
-        }
+        planned = check_fingerprint(path, saved.fingerprint, current.fingerprint)
         current.history = saved.history
-        if set(diff) == {"train.max_steps"}:  # an extension (`raytrain-ft extend`, checked by the driver first)
-            planned, target = diff["train.max_steps"]
-            if reason := extension_refusal(saved.fingerprint, target, step_of(path)):
-                raise CheckpointError(f"checkpoint {path} cannot continue to train.max_steps={target}: {reason}")
+        if planned is not None:  # an extension (`raytrain-ft extend`, checked by the driver first)
+            target = current.fingerprint["train.max_steps"]
             current.history = [
                 *saved.history,
                 {"at_step": step_of(path), "from_max_steps": planned, "max_steps": target},
             ]
-        elif diff:
-            what = ", ".join(f"{k}: checkpoint {a} vs config {b}" for k, (a, b) in diff.items())
-            raise CheckpointError(
-                f"checkpoint {path} belongs to a different model or dataset ({what}); "
-                "use the original settings or a new run.name"
-            )
         current.mlflow_run_id = current.mlflow_run_id or saved.mlflow_run_id
 
 
@@ -375,7 +328,7 @@ def corruption_of(e: BaseException) -> CorruptCheckpointError | None:
 
 
 def restore_latest(
-    checkpointer: Checkpointer, state: TrainState, session: Session, logger: RunLogger | None, clean: bool = True
+    checkpointer: Checkpointer, state: TrainState, session: Session, recorder: Recorder, clean: bool = True
 ) -> tuple[int | None, set[str]]:
     """Delete uncommitted saves (unless `clean` is False: a live peer may be writing one, under
     replica recovery), then load the committed checkpoint (or an older one if corrupt).
@@ -388,18 +341,16 @@ def restore_latest(
         removed = cleanup(session.run_root, committed)
         if removed:
             log.warning("deleted incomplete or uncommitted checkpoints at steps %s", removed)
-            if logger:
-                logger.event("uncommitted_checkpoints_deleted", steps=removed)
+            recorder.event("uncommitted_checkpoints_deleted", steps=removed)
     dist.barrier(group=checkpointer.control_group)
     if latest is None:
         return None, set()
-    older = sorted((s for s, done in list_step_dirs(session.run_root).items() if done and s < committed), reverse=True)
+    older = [s for s in reversed(complete_steps(session.run_root)) if s < committed]
     candidates = [latest] + [step_path(session.run_root, s) for s in older]
 
     def on_corrupt(path: str, reason: str) -> None:
-        if logger:
-            logger.event("corrupt_checkpoint", path=path, reason=reason)
-            logger.tags({"last_corrupt_checkpoint": f"{path}: {reason}"})
+        recorder.event("corrupt_checkpoint", path=path, reason=reason)
+        recorder.tags({"last_corrupt_checkpoint": f"{path}: {reason}"})
 
     loaded, keys = checkpointer.restore(state, candidates, on_corrupt)
     return (step_of(loaded) if loaded else None), keys

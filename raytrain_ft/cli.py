@@ -192,11 +192,11 @@ def _history(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from raytrain_ft import recovery
-    from raytrain_ft.tracking import RunLogger
+    from raytrain_ft.tracking import MlflowRecorder
 
     client = _store(args.tracking_uri)
     run = _find_run(client, args.run)
-    events = RunLogger(client.tracking_uri, run.info.run_id).events()
+    events = MlflowRecorder(client.tracking_uri, run.info.run_id).events()
     console = Console(width=200)
     console.print(f"run {run.info.run_name} ({run.info.run_id}), status {run.info.status}")
     for title, rows in (
@@ -294,16 +294,16 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _extend(args: argparse.Namespace) -> int:
-    """Record a new `train.max_steps` for a wsd run (see `raytrain_ft.launch.trainer.extend`)."""
+    """Record a new `train.max_steps` for a wsd run (see `raytrain_ft.launch.driver.extend`)."""
     from raytrain_ft.errors import UserError
-    from raytrain_ft.launch.trainer import extend
-    from raytrain_ft.tracking import RunLogger
+    from raytrain_ft.launch.driver import extend
+    from raytrain_ft.tracking import MlflowRecorder
 
     client = _store(args.tracking_uri)
     run = _find_run(client, args.run)
     run_root = os.path.join(run.data.params["run.storage_path"], run.data.params["run.name"])
     try:
-        record = extend(run_root, args.max_steps, RunLogger(client.tracking_uri, run.info.run_id))
+        record = extend(run_root, args.max_steps, MlflowRecorder(client.tracking_uri, run.info.run_id))
     except UserError as e:
         raise ValueError(str(e)) from None
     print(
@@ -352,6 +352,7 @@ def run_rows(runs) -> list[dict[str, str]]:
     """One row per MLflow run (`mlflow.entities.Run`): name, status, step / max_steps (the extended
     target where `raytrain-ft extend` set the `max_steps` tag), last loss and val_loss, restarts and
     goodput (blank where not logged yet)."""
+    from raytrain_ft.timeline import KEPT
 
     def number(metrics: dict, key: str, fmt: str) -> str:
         return format(metrics[key], fmt) if key in metrics else ""
@@ -364,8 +365,8 @@ def run_rows(runs) -> list[dict[str, str]]:
                 "name": r.info.run_name,
                 "status": r.info.status,
                 "step": f"{int(m.get('last_step', 0))}/{max_steps}",
-                "loss": number(m, "loss", ".4f"),
-                "val_loss": number(m, "val_loss", ".4f"),
+                "loss": number(m, KEPT + "loss", ".4f"),
+                "val_loss": number(m, KEPT + "val_loss", ".4f"),
                 "restarts": str(int(m.get("restarts", 0))),
                 "goodput": number(m, "goodput", ".3f"),
             }
@@ -458,11 +459,11 @@ def _verify(args: argparse.Namespace) -> int:
     (`raytrain_ft.integrity.verify_checkpoint`); one row each. Exit 1 if any is corrupt."""
     import fsspec
 
-    from raytrain_ft.checkpoint import committed_steps, step_path
     from raytrain_ft.integrity import verify_checkpoint
+    from raytrain_ft.run_folder import committed_steps, run_root, step_path
 
     fs, _ = fsspec.core.url_to_fs(args.run)
-    root = args.run if fs.isdir(args.run) else f"{args.storage_path.rstrip('/')}/{args.run}"
+    root = args.run if fs.isdir(args.run) else run_root(args.storage_path, args.run)
     steps = committed_steps(root)
     if args.step is not None:
         if args.step not in steps:

@@ -142,7 +142,7 @@ class GuardsSection:
     spike: SpikeSection = field(default_factory=SpikeSection)
     rank_check: RankCheckSection = field(default_factory=RankCheckSection)
     fingerprint: FingerprintSection = field(default_factory=FingerprintSection)
-    on_alert: str = "warn"  # warn | restart (raise ReplicaMismatchError: Ray restarts from the last checkpoint)
+    on_alert: str = "warn"  # warn | restart (raise a GuardError: Ray restarts from the last checkpoint)
 
 
 @dataclass

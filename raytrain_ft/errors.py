@@ -2,13 +2,11 @@
 
 Entry points (`jobs/*.py`, the `raytrain-ft` CLI) catch `UserError`, print its message on one
 line and exit with status 2; no traceback from deep inside Ray reaches the user. An error that a
-restart cannot cure (`StorageFullError`) ends the run from the workers (`end_run`); the driver
-raises it (`raise_if_ended`).
+restart cannot cure (`StorageFullError`) ends the run from the workers
+(`raytrain_ft.run_folder.end_run`); the driver raises it (`run_folder.raise_if_ended`).
 """
 
 from __future__ import annotations
-
-import fsspec
 
 
 class UserError(Exception):
@@ -55,27 +53,3 @@ def find_user_error(exc: BaseException) -> UserError | None:
         for nxt in getattr(e, "worker_failures", {}).values() if hasattr(e, "worker_failures") else ():
             stack.append(nxt)
     return None
-
-
-RUN_ENDED_FILE = "run_ended_by_error"
-
-
-def end_run(run_root: str, message: str) -> None:
-    """Stop training without a restart (rank 0, the others just return): leave `message` in
-    `<run folder>/run_ended_by_error` for the driver, which reports it as the run's error (`raise_if_ended`)."""
-    with fsspec.open(f"{run_root.rstrip('/')}/{RUN_ENDED_FILE}", "w") as f:
-        f.write(message)
-
-
-def raise_if_ended(run_root: str) -> None:
-    """Driver, after the workers returned: raise the error a worker ended the run with, if any
-    (and remove its file, so a resubmission starts clean).
-
-    Raises:
-        StorageFullError: the message `end_run` left.
-    """
-    fs, base = fsspec.core.url_to_fs(f"{run_root.rstrip('/')}/{RUN_ENDED_FILE}")
-    if fs.exists(base):
-        message = fs.cat_file(base).decode()
-        fs.rm(base)
-        raise StorageFullError(message)

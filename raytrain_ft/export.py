@@ -33,10 +33,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from raytrain_ft.checkpoint import METADATA_FILE, list_step_dirs, step_path
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.errors import CheckpointError, DataError, UserError
 from raytrain_ft.integrity import verify_checkpoint
+from raytrain_ft.run_folder import METADATA_FILE, complete_steps, run_root, step_path
 from raytrain_ft.train_state import KEY_META, KEY_MODEL, KEY_PROGRESS, Pickled, Progress, RunMeta
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # huggingface_hub's default; transformers 5's save_pretrained uses 50GB
@@ -290,11 +290,11 @@ def find_run(run: str, storage_path: str) -> str:
     Raises:
         CheckpointError: neither holds a complete checkpoint.
     """
-    for root in (run, f"{storage_path.rstrip('/')}/{run}"):
-        if any(list_step_dirs(root).values()):
+    for root in (run, run_root(storage_path, run)):
+        if complete_steps(root):
             return root.rstrip("/")
     raise CheckpointError(
-        f"no complete checkpoint in {run} nor in {storage_path.rstrip('/')}/{run}; "
+        f"no complete checkpoint in {run} nor in {run_root(storage_path, run)}; "
         "pass a run folder, or a run name with --storage-path (the run's run.storage_path)"
     )
 
@@ -306,7 +306,7 @@ def choose_checkpoint(run_root: str, step: int | None) -> str:
     Raises:
         CheckpointError: that step has no complete checkpoint (the line lists the ones there are).
     """
-    complete = sorted(s for s, done in list_step_dirs(run_root).items() if done)
+    complete = complete_steps(run_root)
     if step is None and complete:
         return step_path(run_root, complete[-1])
     if step in complete:

@@ -36,6 +36,7 @@ import torch
 
 from raytrain_ft.config import FaultSpec
 from raytrain_ft.hooks import StepHook, StepResult
+from raytrain_ft.run_folder import fault_marker
 
 KILL_DURING_SAVE_DELAY_S = 3.0  # the kill comes 0.5 s after the save started: well inside the write
 
@@ -57,8 +58,7 @@ class FaultInjector(StepHook):
         param: Callable[[], torch.Tensor],
     ):
         self.faults, self.rank, self.settle, self.param = list(enumerate(faults)), rank, settle, param
-        self.fs, base = fsspec.core.url_to_fs(run_root)
-        self.marker_dir = f"{base.rstrip('/')}/faults"
+        self.run_root = run_root
 
     def _pending(self, step: int, kinds: tuple[str, ...]) -> list[tuple[int, FaultSpec]]:
         return [
@@ -66,18 +66,18 @@ class FaultInjector(StepHook):
             for i, f in self.faults
             if f.kind in kinds
             and f.step <= step < f.step + max(1, f.steps if f.kind in ("nan", "spike", "slow") else 1)
-            and not self.fs.exists(self._marker(i, step))
+            and not self._fired(i, step)
         ]
 
     def _mine(self, f: FaultSpec) -> bool:
         return f.rank in (-1, self.rank)
 
-    def _marker(self, index: int, step: int) -> str:
-        return f"{self.marker_dir}/{index}-{step}.fired"
+    def _fired(self, index: int, step: int) -> bool:
+        fs, marker = fsspec.core.url_to_fs(fault_marker(self.run_root, index, step))
+        return fs.exists(marker)
 
     def _mark(self, index: int, step: int) -> None:
-        self.fs.makedirs(self.marker_dir, exist_ok=True)
-        with self.fs.open(self._marker(index, step), "w") as f:
+        with fsspec.open(fault_marker(self.run_root, index, step), "w", auto_mkdir=True) as f:
             f.write(str(time.time()))
 
     def before_step(self, step: int) -> None:

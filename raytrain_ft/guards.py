@@ -33,13 +33,34 @@ from raytrain_ft.config import GuardsSection
 
 if TYPE_CHECKING:
     from raytrain_ft.parallel import Parallel
-    from raytrain_ft.tracking import RunLogger
+    from raytrain_ft.recorder import Recorder
 
 log = logging.getLogger(__name__)
 
 
-class ReplicaMismatchError(RuntimeError):
-    """A guard alert under `guards.on_alert: restart`: Ray restarts from the last checkpoint."""
+class GuardError(RuntimeError):
+    """A guard ended the attempt: Ray restarts the worker group from the last checkpoint. Every
+    cause has its own subclass; a handler of any guard stop catches this base."""
+
+
+class ReplicaMismatchError(GuardError):
+    """Two replicas of one shard hold different weights (`replica_mismatch`), under `guards.on_alert: restart`."""
+
+
+class RankSpreadError(GuardError):
+    """The ranks' loss or grad norm spread beyond `guards.rank_check.max_spread` (`rank_spread`),
+    under `guards.on_alert: restart`."""
+
+
+class SkipDisagreementError(GuardError):
+    """The ranks reached different spike-guard decisions for one step (their grad norms differ)."""
+
+
+class NoRollbackTargetError(GuardError):
+    """`guards.spike.max_consecutive_skips` skips in a row and no complete checkpoint before the streak."""
+
+
+ALERT_ERRORS: dict[str, type[GuardError]] = {"rank_spread": RankSpreadError, "replica_mismatch": ReplicaMismatchError}
 
 
 @dataclass
@@ -150,9 +171,10 @@ class RankChecks:
     """`guards.rank_check` and `guards.fingerprint` at their intervals, and the alerts they raise.
 
     Collectives on `group`: every rank calls them at the same steps and reaches the same decision.
-    An alert is logged on every rank and by rank 0 (the one with a `logger`) as an event and a
+    An alert is logged on every rank and recorded (`recorder`: rank 0's records) as an event and a
     `rank_alerts` metric; under `guards.on_alert: restart` every rank calls `settle` (an in-flight,
-    checked checkpoint commits first: less work lost) and raises ReplicaMismatchError.
+    checked checkpoint commits first: less work lost) and raises the alert's `GuardError`
+    (`RankSpreadError`, `ReplicaMismatchError`).
     """
 
     def __init__(
@@ -160,10 +182,10 @@ class RankChecks:
         cfg: GuardsSection,
         par: Parallel,
         group: dist.ProcessGroup,
-        logger: RunLogger | None,
+        recorder: Recorder,
         settle: Callable[[], object],
     ):
-        self.cfg, self.par, self.group, self.logger, self.settle = cfg, par, group, logger, settle
+        self.cfg, self.par, self.group, self.recorder, self.settle = cfg, par, group, recorder, settle
 
     def monitor(self, step: int, local_loss: float, grad_norm: float) -> None:
         """Cross-rank sanity check and replica fingerprint at their intervals."""
@@ -190,9 +212,8 @@ class RankChecks:
     def alert(self, step: int, kind: str, detail: dict) -> None:
         """Every rank calls this with the same decision: log it; under `restart`, raise."""
         log.error("step %d: %s alert: %s", step, kind, detail)
-        if self.logger:
-            self.logger.event(kind, step=step, **detail)
-            self.logger.metrics(step, {"rank_alerts": 1})
+        self.recorder.event(kind, step=step, **detail)
+        self.recorder.metrics(step, {"rank_alerts": 1})
         if self.cfg.on_alert == "restart":
             self.settle()
-            raise ReplicaMismatchError(f"step {step}: {kind} {detail}")
+            raise ALERT_ERRORS[kind](f"step {step}: {kind} {detail}")

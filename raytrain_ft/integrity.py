@@ -38,10 +38,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from raytrain_ft.errors import CorruptCheckpointError
+from raytrain_ft.run_folder import CHECKSUM_FILE, METADATA_FILE
 from raytrain_ft.train_state import missing_components
 
-CHECKSUM_FILE = ".checksums"
-METADATA_FILE = ".metadata"
 ALGORITHM = "xxh3_64"
 
 

@@ -1,11 +1,12 @@
 """A `Session` without Ray, for `torchrun` and the benchmarks: pyarrow reads, file-based commits.
 
-Commits are recorded by rank 0 in `<run folder>/latest_checkpoint` (written to a temporary file
-and renamed, so it always names a complete checkpoint). Preemption notices do not exist here.
+Commits are recorded by rank 0 in `<run folder>/latest_checkpoint` (`run_folder.write_latest`:
+it always names a complete checkpoint). Preemption notices do not exist here.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 
 import torch
@@ -14,8 +15,9 @@ import torch.distributed as dist
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import EpochOrder
 from raytrain_ft.data.position import BatchPlan
-from raytrain_ft.launch.run_files import read_latest_checkpoint, write_latest_checkpoint
-from raytrain_ft.tracking import RunLogger
+from raytrain_ft.recovery import RunHistory
+from raytrain_ft.run_folder import read_latest, write_latest
+from raytrain_ft.tracking import MlflowRecorder
 
 
 class LocalSession:
@@ -23,20 +25,27 @@ class LocalSession:
         self.run_root, self.data_path, self.seed = run_root.rstrip("/"), data_path, seed
         self.tracking_uri, self.mlflow_run_id = tracking_uri, mlflow_run_id
         self.manifest = load_manifest(data_path)
+        # one recorder for the whole run (no restarts here); it keeps the history it loads now
+        self.run_recorder = MlflowRecorder(tracking_uri, mlflow_run_id)
+        self.run_recorder.history = self.run_recorder.load_history()
 
     @property
     def rank(self) -> int:
         return dist.get_rank()
 
-    def run_logger(self, attempt: bool) -> RunLogger:
-        return RunLogger(self.tracking_uri, self.mlflow_run_id)  # in this process: no restarts here
+    def recorder(self, attempt: bool) -> MlflowRecorder:
+        return self.run_recorder
+
+    def history(self) -> RunHistory:
+        assert self.run_recorder.history is not None
+        return copy.deepcopy(self.run_recorder.history)
 
     def latest_checkpoint(self) -> str | None:
-        return read_latest_checkpoint(self.run_root)
+        return read_latest(self.run_root)
 
     def commit(self, step: int, path: str, metrics: dict[str, float]) -> None:
         if dist.get_rank() == 0:
-            write_latest_checkpoint(self.run_root, path)
+            write_latest(self.run_root, path)
 
     def flush(self) -> None:
         dist.barrier()

@@ -1,22 +1,28 @@
 """The data-parallel training loop, run on every rank. Depends on `torch.distributed`, not on Ray.
 
-Read top to bottom: `train` starts the data pipeline at the committed checkpoint's data position,
-builds the model, optimizer, schedule and the checkpointed state, restores, then runs
-`Trainer.step` once per optimizer step: this rank's share of the global batch, at any world size
-(`data.position.BatchPlan`) -> forward/backward over its `grad_accum_steps` passes -> clip
-(global grad norm) -> spike guard (all ranks agree) -> wait for the checkpoint snapshot ->
-optimizer step or skip -> LR scheduler -> advance the data position -> held-out validation at its
-interval (`validation`) -> rank check and replica fingerprint at their intervals -> roll back
-after persistent spikes, else commit/save. Who trains a step, the split, the gradient reduction
-across replicas and whether the step counts are the step members' (`replicas`: the whole group
-under restart recovery, a torchft quorum of replicas under replica recovery); the loop calls them
-the same way in both modes.
+Read top to bottom: `train` builds a `Trainer` (the data pipeline, already filling from the
+committed checkpoint's data position, the model, optimizer, schedule, the checkpointed state and the
+step hooks: construction only), calls `Trainer.begin` (restore, the attempt's record and goodput
+account, the auto checkpoint interval), then runs `Trainer.step` once per optimizer step: this
+rank's share of the global batch, at any world size (`data.position.BatchPlan`) -> forward/backward
+over its `grad_accum_steps` passes -> clip (global grad norm) -> spike guard (all ranks agree) ->
+wait for the checkpoint snapshot -> optimizer step or skip -> LR scheduler -> advance the data
+position -> held-out validation at its interval (`validation`) -> rank check and replica fingerprint
+at their intervals -> roll back after persistent spikes, else commit/save. Who trains a step, the
+split, the gradient reduction across replicas and whether the step counts are the step members'
+(`replicas`: the whole group under restart recovery, a torchft quorum of replicas under replica
+recovery); the loop calls them the same way in both modes.
+
+What the loop records goes to a `Recorder` (`raytrain_ft.recorder`: rank 0's records, the other
+ranks' is a `NullRecorder`); nothing is read back from it. What it decides with comes from the
+checkpoint and from `Session.history` (`raytrain_ft.recovery.RunHistory`: the run's start and its
+failures, attempt starts, hangs and rollbacks).
 
 The per-step side work runs in step hooks (`raytrain_ft.hooks`), in this order: fault injection
-(`faults`), rank 0's goodput ledger (`goodput.StepAccount`: every second of wall time in one
-bucket), step metrics and MFU (`step_metrics`), the data audit (`data.audit`), the watchdog beat
-(`watchdog`). Fault injection that changes the step's own values (loss multiplier, slowed or
-killed checkpoint writes) is called where it acts.
+(`faults`), the goodput ledger (`goodput.StepAccount`: every second of wall time in one bucket; rank
+0's is checkpointed and recorded), step metrics and MFU (`step_metrics`), the data audit
+(`data.audit`), the watchdog beat (`watchdog`). Fault injection that changes the step's own values
+(loss multiplier, slowed or killed checkpoint writes) is called where it acts.
 """
 
 from __future__ import annotations
@@ -29,22 +35,25 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from raytrain_ft.checkpoint import Checkpointer, list_step_dirs, peek, restore_latest, step_path
+from raytrain_ft.checkpoint import Checkpointer, peek, restore_latest
 from raytrain_ft.config import Config
 from raytrain_ft.data.audit import DataAudit
 from raytrain_ft.data.manifest import Manifest, load_manifest
 from raytrain_ft.data.order import steps_per_epoch, window_sample_ids
 from raytrain_ft.data.position import BatchPlan, DataPosition
-from raytrain_ft.errors import ConfigError, StorageFullError, end_run
+from raytrain_ft.errors import ConfigError, StorageFullError
 from raytrain_ft.faults import FaultInjector
+from raytrain_ft.fingerprint import fingerprint
 from raytrain_ft.goodput import GoodputLedger, StepAccount
-from raytrain_ft.guards import RankChecks, ReplicaMismatchError, RollbackLog, SpikeGuard
-from raytrain_ft.hooks import StepHook, StepHooks, StepResult
+from raytrain_ft.guards import NoRollbackTargetError, RankChecks, RollbackLog, SkipDisagreementError, SpikeGuard
+from raytrain_ft.hooks import StepHooks, StepResult
 from raytrain_ft.interval import CheckpointSchedule, planning_mtbf_s
 from raytrain_ft.model import lm_loss
 from raytrain_ft.parallel import Parallel, build
-from raytrain_ft.recovery import failures
+from raytrain_ft.recorder import NullRecorder
+from raytrain_ft.recovery import RunHistory
 from raytrain_ft.replicas import Share, first_share, step_members
+from raytrain_ft.run_folder import complete_steps, end_run, step_path
 from raytrain_ft.schedule import lr_schedule
 from raytrain_ft.session import Session
 from raytrain_ft.step_metrics import StepMetrics
@@ -72,29 +81,6 @@ from raytrain_ft.validation import Validation
 from raytrain_ft.watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
-
-
-def fingerprint(cfg: Config, manifest: Manifest, num_params: int) -> dict:
-    """What must match between a checkpoint and the run resuming it: model shape, data, data order and
-    LR schedule (a changed seed would re-permute a half-consumed epoch; a changed max_steps would
-    stretch a cosine already half done). To train a wsd run further: `raytrain-ft extend` (raytrain_ft.schedule)."""
-    return {
-        "model.preset": cfg.model.preset,
-        "num_params": num_params,
-        "vocab_size": manifest.vocab_size,
-        "seq_len": manifest.seq_len,
-        "data.fingerprint": manifest.fingerprint,
-        "train.global_batch_size": cfg.train.global_batch_size,
-        "train.micro_batch_size": cfg.train.micro_batch_size,  # the lanes of the data order
-        # the data order and the LR schedule: a resumed run must see the same ones
-        "train.seed": cfg.train.seed,
-        "train.max_steps": cfg.train.max_steps,
-        "train.lr": cfg.train.lr,
-        "train.warmup_steps": cfg.train.warmup_steps,
-        "train.min_lr_ratio": cfg.train.min_lr_ratio,
-        "train.lr_schedule": cfg.train.lr_schedule,
-        "train.decay_steps": cfg.train.decay_steps,
-    }
 
 
 def check_data_fits(cfg: Config, manifest: Manifest) -> None:
@@ -175,7 +161,7 @@ def forward_backward(par: Parallel, plan: BatchPlan, passes: list[dict], loss_fa
         n = len(mb["tokens"])
         tokens = (mb["tokens"] if n else passes[0]["tokens"][:1]).to(device, non_blocking=True)
         with par.micro_batch(last=i == len(passes) - 1):
-            micro_loss = lm_loss(par.module, tokens) * (loss_factor * plan.pass_weight(n))
+            micro_loss = lm_loss(par.forward_module, tokens) * (loss_factor * plan.pass_weight(n))
         micro_loss.backward()
         loss += micro_loss.detach()
     return loss.item()
@@ -192,9 +178,11 @@ def train(cfg: Config, session: Session) -> None:
 
     Raises:
         ConfigError, DataError, CheckpointError: one-line user errors (see `raytrain_ft.errors`).
-        ReplicaMismatchError: a guard alert under `guards.on_alert: restart`.
+        GuardError: a guard ended the attempt (`raytrain_ft.guards`: an alert under
+            `guards.on_alert: restart`, ranks disagreeing on a skip, no checkpoint to roll back to).
     """
     trainer = Trainer(cfg, session)
+    trainer.begin()
     try:
         while trainer.progress.step < cfg.train.max_steps:
             trainer.step()
@@ -209,24 +197,26 @@ def train(cfg: Config, session: Session) -> None:
 
 
 class Trainer:
-    """One rank's training run: the components, and `step()`."""
+    """One rank's training run: the constructor builds the components (the data pipeline already
+    filling from the committed checkpoint's data position), `begin()` restores and starts the
+    attempt, then `step()` runs once per optimizer step."""
 
     def __init__(self, cfg: Config, session: Session):
-        init_started_at = time.time()  # restore time (goodput) counts from here
+        self.init_started_at = time.time()  # restore time (goodput) counts from here
         self.cfg, self.session = cfg, session
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.logger = session.run_logger(attempt=True) if session.rank == 0 else None
+        # rank 0 records (under replica recovery every replica is rank 0 of its own group: replica 0 records)
+        self.recorder = session.recorder(attempt=True) if session.rank == 0 else NullRecorder()
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.manifest = load_manifest(cfg.data.path)
         check_data_fits(cfg, self.manifest)
         self.plan = BatchPlan(cfg.train.global_batch_size, cfg.train.micro_batch_size, self.world_size)
         self.steps_per_epoch = steps_per_epoch(self.manifest, self.plan.global_batch_size, self.plan.micro_batch_size)
-        latest, early = session.latest_checkpoint(), DataPosition()
-        peek(latest, {KEY_DATA: Pickled(early)})  # read alone from the checkpoint: the data starts flowing now
-        self.batches = Batches(
-            session, self.steps_per_epoch, early, first_share(cfg, self.plan, self.rank, session.rank)
-        )
+        latest, batches_from = session.latest_checkpoint(), DataPosition()
+        peek(latest, {KEY_DATA: Pickled(batches_from)})  # read alone from the checkpoint: the data starts now
+        share = first_share(cfg, self.plan, self.rank, session.rank)
+        self.batches = Batches(session, self.steps_per_epoch, batches_from, share)
 
         shape = self.manifest.vocab_size, self.manifest.seq_len
         self.par, self.optimizer = build(cfg, *shape, self.device, resuming=latest is not None)
@@ -246,13 +236,13 @@ class Trainer:
         self.state.add(KEY_ROLLBACKS, Pickled(self.rollbacks))
         self.state.add(rng_key(self.rank), Pickled(RNGState()))
         self.state.add(KEY_META, RunMeta(fingerprint(cfg, self.manifest, num_params), session.mlflow_run_id))
-        self.ledger = GoodputLedger()
-        if self.logger:
+        self.ledger = GoodputLedger()  # kept alike on every rank; rank 0's is checkpointed and recorded
+        if self.rank == 0:
             self.state.add(KEY_GOODPUT, Pickled(self.ledger))
 
         self.checkpointer = Checkpointer(session.run_root, self._commit)
         self.group = self.checkpointer.control_group  # CPU gloo group for guard collectives
-        self.checks = RankChecks(cfg.guards, self.par, self.group, self.logger, self.settle)
+        self.checks = RankChecks(cfg.guards, self.par, self.group, self.recorder, self.settle)
         self.validation = Validation(
             cfg.validation, cfg.data.path, self.manifest, self.plan, self.rank, self.par, self.group, self.device
         )
@@ -266,22 +256,11 @@ class Trainer:
             cfg.failure.hang_timeout_s,
             session.run_root,
             self.rank,
-            lambda *hang: session.run_logger(attempt=False).hang(self.rank, *hang),
+            lambda *hang: session.recorder(attempt=False).hang(self.rank, *hang),
         )
-        # replica recovery: a replacement must not delete the save a live replica is writing
-        clean = cfg.failure.recovery == "restart"
-        resumed_from, loaded = restore_latest(self.checkpointer, self.state, session, self.logger, clean)
-        if rng_key(self.rank) not in loaded:  # fresh start, or a rank added by an elastic resize
-            seed_rngs(cfg.train.seed + self.progress.step, self.rank)
-        self.watchdog.beat(step_done=False)  # restoring a large checkpoint is neither a hang nor a step
-        share = Share(self.plan, self.rank)
-        self.members = step_members(
-            cfg, share, self.group, self.state, self.progress.step, session.rank, {"audit": self.audit}
-        )
-        self.save_due = self.preemption_saved = False
-        self.done = self.progress.step >= cfg.train.max_steps  # a finished run submitted again
-        failure_times = self.start_attempt(init_started_at, resumed_from, KEY_GOODPUT in loaded) if self.logger else []
-        self.schedule = self.checkpoint_schedule(failure_times)
+        # auto: planned in `begin` from the run's failures
+        self.schedule = CheckpointSchedule(cfg.checkpoint.interval_steps)
+        self.save_due = self.preemption_saved = self.done = False
         metrics = StepMetrics(
             cfg,
             self.plan,
@@ -290,12 +269,31 @@ class Trainer:
             self.scheduler,
             self.position,
             self.guard,
-            self.logger,
+            self.recorder,
             self.rank,
-            first_step=self.progress.step + 1,
         )
-        account: list[StepHook] = [StepAccount(self.ledger)] if self.logger else []
-        self.hooks = StepHooks([self.faults, *account, metrics, self.audit, self.watchdog])
+        self.hooks = StepHooks([self.faults, StepAccount(self.ledger), metrics, self.audit, self.watchdog])
+
+    def begin(self) -> None:
+        """Start the attempt (every rank, collectives): restore the committed checkpoint (or an
+        older one if it is corrupt), record the attempt and account its start (goodput), plan the
+        auto checkpoint interval. Reads the run's past from `Session.history` only."""
+        cfg, session = self.cfg, self.session
+        history = session.history()  # every rank before the (collective) restore: before rank 0 adds to it
+        # replica recovery: a replacement must not delete the save a live replica is writing
+        clean = cfg.failure.recovery == "restart"
+        resumed_from, loaded = restore_latest(self.checkpointer, self.state, session, self.recorder, clean)
+        if rng_key(self.rank) not in loaded:  # fresh start, or a rank added by an elastic resize
+            seed_rngs(cfg.train.seed + self.progress.step, self.rank)
+        self.watchdog.beat(step_done=False)  # restoring a large checkpoint is neither a hang nor a step
+        share = Share(self.plan, self.rank)
+        self.members = step_members(
+            cfg, share, self.group, self.state, self.progress.step, session.rank, {"audit": self.audit}
+        )
+        self.done = self.progress.step >= cfg.train.max_steps  # a finished run submitted again
+        self.start_attempt(history, resumed_from or 0, KEY_GOODPUT in loaded)
+        if cfg.checkpoint.interval == "auto":
+            self.schedule = self.auto_schedule(history)
         log.info(
             "rank %d: start at step %d (world size %d, %d sequences per step in %d passes, batch_balance %.3f)",
             self.rank,
@@ -306,70 +304,66 @@ class Trainer:
             self.plan.batch_balance,
         )
 
-    def start_attempt(self, init_started_at: float, resumed_from: int | None, ledger_loaded: bool) -> list[float]:
-        """Rank 0, after the restore: log the attempt, classify the time since the checkpoint's
-        snapshot (goodput), and return the run's failure times (unix seconds) so far."""
-        assert self.logger is not None  # rank 0 logs
-        self.logger.tags(self.par.tags())
-        self.logger.metrics(
+    def start_attempt(self, history: RunHistory, resumed_from: int, ledger_loaded: bool) -> None:
+        """After the restore: record the attempt and account the time since the checkpoint's
+        snapshot (goodput: `history`'s events say what it was; unix seconds throughout)."""
+        start = {
+            "time": time.time(),
+            "resumed_from": resumed_from,
+            "world_size": self.world_size,
+            "init_started_at": self.init_started_at,
+        }
+        history.record({"kind": "attempt_start", **start})
+        self.recorder.tags(self.par.tags())
+        self.recorder.metrics(
             self.progress.step,
             {
-                "resumed_from_step": resumed_from or 0,
+                "resumed_from_step": resumed_from,
                 "world_size": self.world_size,
                 "batch_balance": self.plan.batch_balance,
             },
         )
-        self.logger.event(
-            "attempt_start", resumed_from=resumed_from or 0, world_size=self.world_size, init_started_at=init_started_at
-        )
-        events = self.logger.events()
-        self.logger.timeline.recover(resumed_from or 0, [e["time"] for e in events if e["kind"] == "attempt_start"])
+        self.recorder.event("attempt_start", **start)
+        self.recorder.resume_timeline(resumed_from, history.attempt_starts())
         if not ledger_loaded:
-            self.ledger.start(self.logger.run_start())
+            self.ledger.start(history.run_start)
         if not self.done:  # a finished run's account is closed
-            self.ledger.add_gap(events, time.time(), fresh=not ledger_loaded)
-            self.logger.goodput(self.progress.step, self.ledger.summary(time.time()))
-        return [f["time"] for _, f in failures(events)]
+            self.ledger.add_gap(history.events, time.time(), fresh=not ledger_loaded)
+            self.recorder.goodput(self.progress.step, self.ledger.summary(time.time()))
 
-    def checkpoint_schedule(self, failure_times: list[float]) -> CheckpointSchedule:
-        """`checkpoint.interval`: fixed, or auto with the MTBF rank 0 chose (broadcast: ranks must agree)."""
-        c = self.cfg.checkpoint
-        if c.interval != "auto":
-            return CheckpointSchedule(c.interval_steps)
-        mtbf = torch.zeros(1, dtype=torch.float64)
-        if self.rank == 0:
-            assert self.logger is not None
-            f = self.cfg.failure
-            mtbf[0], source = planning_mtbf_s(
-                f.mtbf_hours_per_gpu, self.world_size, failure_times, self.ledger.run_start, time.time()
-            )
-            self.logger.tags({"mtbf_source": source})
+    def auto_schedule(self, history: RunHistory) -> CheckpointSchedule:
+        """`checkpoint.interval: auto`: Daly's interval at the MTBF (`history`'s failures) rank 0
+        chose (broadcast: the ranks' clocks differ, their plans must not)."""
+        c, f = self.cfg.checkpoint, self.cfg.failure
+        planned, source = planning_mtbf_s(
+            f.mtbf_hours_per_gpu, self.world_size, history.failure_times(), history.run_start, time.time()
+        )
+        mtbf = torch.tensor([planned], dtype=torch.float64)
         dist.broadcast(mtbf, src=0, group=self.group)
+        self.recorder.tags({"mtbf_source": source})
         return CheckpointSchedule(c.interval_steps, mtbf.item(), last_save_step=self.progress.step)
 
     def _commit(self, step: int, path: str) -> None:
         self.audit.flush()
         self.session.commit(step, path, {"step": step})
-        if self.logger:
-            self.logger.timeline.committed(step)
+        self.recorder.committed(step)
         if self.schedule.auto:  # every rank plans with the slowest rank's figures
             cp = self.checkpointer
             measured = torch.tensor([cp.last_cost_s, cp.last_duration_s, self.watchdog.median_step_s])
             dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.group)
             planned = self.schedule.update(*measured.tolist())
-            if self.logger and planned:
-                self.logger.metrics(step, planned)
-        if self.logger:
-            self.logger.goodput(step, self.ledger.summary(time.time()))
-            self.logger.refresh_loss_plot()
+            if planned:
+                self.recorder.metrics(step, planned)
+        self.recorder.goodput(step, self.ledger.summary(time.time()))
+        self.recorder.refresh_loss_plot()
 
     def finish(self) -> None:
-        """After the last step: wait for the final checkpoint; rank 0 logs the goodput summary and plot."""
+        """After the last step: wait for the final checkpoint; record the goodput summary and plot."""
         self.settle()
-        if self.logger and not self.done:
+        if not self.done:  # a finished run submitted again: its account is closed
             self.ledger.add("checkpoint_stall", time.time())
-            self.logger.goodput(self.progress.step, self.ledger.summary(time.time()), final=True)
-            self.logger.refresh_loss_plot(wait=True)
+            self.recorder.goodput(self.progress.step, self.ledger.summary(time.time()), final=True)
+            self.recorder.refresh_loss_plot(wait=True)
 
     def step(self) -> None:
         """One optimizer step on every rank (collectives: all ranks call it together). Under replica
@@ -391,7 +385,7 @@ class Trainer:
         totals = torch.tensor([weighted, float(skip)], dtype=torch.float64)
         dist.all_reduce(totals, group=self.group)  # SUM: global mean loss, and every rank's decision
         if totals[1].item() not in (0, self.world_size):
-            raise ReplicaMismatchError(f"step {step}: ranks disagree on skipping (grad norms differ)")
+            raise SkipDisagreementError(f"step {step}: ranks disagree on skipping (grad norms differ)")
         self.checkpointer.wait_staged()  # the snapshot must be copied before the weights change
         if not skip:
             self.optimizer.step()
@@ -434,28 +428,25 @@ class Trainer:
             self.checkpointer.save(step, self.state)
             self.schedule.saved(step)
         self.settle()
-        if self.logger:
-            self.logger.event("preemption_checkpoint", step=step)
+        self.recorder.event("preemption_checkpoint", step=step)
 
     def settle(self) -> None:
         """Finish the in-flight save and wait until the runtime registered every commit."""
         self.checkpointer.wait()
         self.session.flush()
-        if self.logger:
-            self.logger.timeline.registered()
+        self.recorder.registered()
 
     def rollback(self, step: int) -> None:
         """Persistent spikes: reload the last checkpoint before the streak and skip a data window."""
         self.checkpointer.wait()
         first_bad = step - self.guard.consecutive + 1
-        complete = sorted(
-            (s for s, ok in list_step_dirs(self.session.run_root).items() if ok and s < first_bad), reverse=True
-        )
-        if not complete:
-            raise ReplicaMismatchError(
+        before = [s for s in complete_steps(self.session.run_root) if s < first_bad]
+        if not before:
+            raise NoRollbackTargetError(
                 f"{self.guard.consecutive} skipped steps in a row and no checkpoint before step {first_bad}"
             )
-        target = step_path(self.session.run_root, complete[0])
+        target = step_path(self.session.run_root, before[-1])
+        history = self.session.history()  # every rank before the (collective) restore: before rank 0 adds to it
         restore_started_at = time.time()
         keep = self.state.components.pop(KEY_ROLLBACKS)  # the rollback record survives the reload
         try:
@@ -463,8 +454,7 @@ class Trainer:
         finally:
             self.state.add(KEY_ROLLBACKS, keep)
         self.audit.discard_after(self.progress.step)
-        if self.logger:
-            self.logger.timeline.discard_after(self.progress.step)
+        self.recorder.discard_after(self.progress.step)
         c = self.cfg
         window = c.guards.spike.skip_window_steps
         skipped = window_sample_ids(c.data.path, self.manifest, c.train.seed, self.position, self.plan, window)
@@ -485,7 +475,9 @@ class Trainer:
             self.progress.step,
             window,
         )
-        if self.logger:  # the reloaded ledger ends at the checkpoint: account for the discarded steps
-            self.logger.event("rollback", **record, restore_started_at=restore_started_at)
-            self.ledger.add_gap(self.logger.events(), time.time(), fresh=False)
-            self.logger.metrics(step, {"rollbacks": len(self.rollbacks.rollbacks)})
+        event = {"time": time.time(), **record, "restore_started_at": restore_started_at}
+        history.record({"kind": "rollback", **event})
+        self.recorder.event("rollback", **event)
+        self.recorder.metrics(step, {"rollbacks": len(self.rollbacks.rollbacks)})
+        # the reloaded ledger ends at the checkpoint: account for the discarded steps and the reload
+        self.ledger.add_gap(history.events, time.time(), fresh=False)

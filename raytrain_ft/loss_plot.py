@@ -1,6 +1,6 @@
 """The loss curve with the run's failures, rollbacks and skipped steps marked (MLflow image `loss.png`).
 
-Rank 0 re-renders it at every committed checkpoint and at the end (`RunLogger.refresh_loss_plot`),
+Rank 0 re-renders it at every committed checkpoint and at the end (`MlflowRecorder.refresh_loss_plot`),
 from MLflow's metric histories of `loss` and `discarded/loss` and the run's events. Uses matplotlib's object API
 (`Figure`, Agg), not `pyplot`, so it is safe in a background thread.
 """
@@ -21,7 +21,7 @@ def loss_figure(kept: list[tuple[int, float]], discarded: list[tuple[int, float]
         kept: (step, loss) pairs of the kept timeline (`loss`, one per step), drawn as the curve.
         discarded: (step, loss) pairs a restart or rollback discarded (`discarded/loss`, see
             `raytrain_ft.timeline`), drawn as grey dots.
-        events: the run's events (`RunLogger.events()`): a vertical line at each failure's last
+        events: the run's events (`MlflowRecorder.events()`): a vertical line at each failure's last
             completed step (gid `failure`) and each rollback's step (gid `rollback`), a cross at
             each skipped step (gid `skipped_step`).
     """

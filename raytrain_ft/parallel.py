@@ -91,15 +91,17 @@ class Parallel:
 
     Attributes:
         strategy: `ddp`, `fsdp` or `hsdp`.
-        module: call forward on this (the DDP wrapper, or the sharded model itself).
-        model: the model whose state dict is checkpointed (unwrapped under DDP).
+        forward_module: what forward and backward run through: the DDP wrapper under ddp, the
+            sharded model itself under fsdp/hsdp. Never checkpointed or inspected.
+        model: the unwrapped HF model: its parameters (shards under fsdp/hsdp) are clipped,
+            fingerprinted and checkpointed.
         replicas, shard_size: the mesh shape; `replicas x shard_size == world_size`.
         shard_index: which shard of the parameters this rank holds (0 under ddp).
         mixed_precision: bf16 compute (GPU only).
     """
 
     strategy: str
-    module: torch.nn.Module
+    forward_module: torch.nn.Module
     model: torch.nn.Module
     replicas: int
     shard_size: int
@@ -112,7 +114,7 @@ class Parallel:
         stack = contextlib.ExitStack()
         if self.strategy == "ddp":
             if not last:
-                stack.enter_context(self.module.no_sync())
+                stack.enter_context(self.forward_module.no_sync())
             if self.mixed_precision:
                 stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
         return stack
@@ -182,10 +184,10 @@ def build(
             layers[i] = checkpoint_wrapper(layer)
     mixed = device.type == "cuda"
     seed = None if resuming else cfg.train.seed
-    module: torch.nn.Module
+    forward_module: torch.nn.Module
     if strategy == "ddp":
         materialize(model, seed, device)
-        module = DDP(model, device_ids=[device.index] if mixed else None, init_sync=not resuming)
+        forward_module = DDP(model, device_ids=[device.index] if mixed else None, init_sync=not resuming)
     else:
         if strategy == "hsdp":
             mesh = init_device_mesh(device.type, (replicas, shard_size), mesh_dim_names=("replicate", "shard"))
@@ -197,10 +199,10 @@ def build(
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
         materialize(model, seed, device)
-        module = model
+        forward_module = model
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, fused=True)
     shard_index = rank % shard_size if strategy != "ddp" else 0
-    par = Parallel(strategy, module, model, replicas, shard_size, shard_index, mixed)
+    par = Parallel(strategy, forward_module, model, replicas, shard_size, shard_index, mixed)
     if strategy == "ddp":
         settle_buckets(par, seq_len, device)
     return par, optimizer
@@ -221,7 +223,7 @@ def settle_buckets(par: Parallel, seq_len: int, device: torch.device) -> None:
     par.model.eval()
     tokens = torch.zeros((1, seq_len + 1), dtype=torch.int64, device=device)
     with torch.enable_grad(), par.micro_batch(last=True):  # a caller may build under no_grad (evaluation)
-        (lm_loss(par.module, tokens) * 0.0).backward()
+        (lm_loss(par.forward_module, tokens) * 0.0).backward()
     par.model.zero_grad(set_to_none=True)
     par.model.train()
 

@@ -1,6 +1,6 @@
 """Everything about a run that can be known before a worker starts: `problems(cfg)`.
 
-One function serves the driver (`raytrain_ft.launch.trainer.preflight` raises the first problem
+One function serves the driver (`raytrain_ft.launch.driver.preflight` raises the first problem
 before `TorchTrainer.fit`) and `raytrain-ft check --config FILE` (prints every problem, one line
 each). It never builds a model's weights and never starts Ray: the config's keys and types are
 checked by `raytrain_ft.config.load_config` before it is called; here come
@@ -30,18 +30,26 @@ from collections.abc import Callable
 
 import fsspec
 
-from raytrain_ft.checkpoint import RAY_RUN_STATE, corruption_of, list_step_dirs, step_of, step_path
+from raytrain_ft.checkpoint import corruption_of
 from raytrain_ft.config import Config
 from raytrain_ft.data.manifest import Manifest, load_manifest
 from raytrain_ft.data.position import check_world_sizes
 from raytrain_ft.errors import CheckpointError, ConfigError, CorruptCheckpointError, UserError
+from raytrain_ft.fingerprint import check_fingerprint, fingerprint
 from raytrain_ft.integrity import ChecksummedReader
-from raytrain_ft.launch.run_files import LATEST_CHECKPOINT_FILE, read_extensions
-from raytrain_ft.loop import check_data_fits, fingerprint
+from raytrain_ft.loop import check_data_fits
 from raytrain_ft.memory import check_fits
 from raytrain_ft.model import model_config
 from raytrain_ft.parallel import mesh_shape, resolve_strategy
-from raytrain_ft.schedule import extension_refusal
+from raytrain_ft.run_folder import (
+    RAY_RUN_STATE,
+    complete_steps,
+    has_run_state,
+    read_extensions,
+    read_latest,
+    run_root,
+    step_path,
+)
 from raytrain_ft.tracking import resolve_uri
 from raytrain_ft.train_state import KEY_META, RunMeta
 
@@ -79,10 +87,10 @@ def problems(cfg: Config, cluster: dict[str, float] | None = None) -> list[UserE
     check(lambda: check_tracking(resolve_uri(cfg.tracking.uri)))
     if cluster is not None:
         check(lambda: check_resources(cfg, cluster))
-    run_root = f"{cfg.run.storage_path.rstrip('/')}/{cfg.run.name}"
+    root = run_root(cfg.run.storage_path, cfg.run.name)
     storage_ok = check(lambda: check_writable(cfg.run.storage_path))
-    if storage_ok and check(lambda: check_run_state(run_root)) and manifest:
-        check(lambda: check_checkpoint_compatible(cfg, manifest[0], run_root))
+    if storage_ok and check(lambda: check_run_state(root)) and manifest:
+        check(lambda: check_checkpoint_compatible(cfg, manifest[0], root))
     return found
 
 
@@ -202,10 +210,9 @@ def check_run_state(run_root: str) -> None:
     Raises:
         CheckpointError: with the steps found and how to resume or start over.
     """
-    complete = sorted(s for s, done in list_step_dirs(run_root).items() if done)
-    fs, base = fsspec.core.url_to_fs(run_root)
-    records = (RAY_RUN_STATE, LATEST_CHECKPOINT_FILE)  # replica recovery commits in the latter
-    if complete and not any(fs.exists(f"{base.rstrip('/')}/{name}") for name in records):
+    complete = complete_steps(run_root)
+    # replica recovery commits in `latest_checkpoint` instead (`raytrain_ft.launch.worker.ReplicaSession`)
+    if complete and not has_run_state(run_root) and read_latest(run_root) is None:
         raise CheckpointError(
             f"{run_root} holds complete checkpoints (steps {', '.join(map(str, complete))}) but no {RAY_RUN_STATE}, "
             "Ray Train's record of which one is committed; restore that file to resume, or move the step-* "
@@ -215,8 +222,8 @@ def check_run_state(run_root: str) -> None:
 
 def check_checkpoint_compatible(cfg: Config, manifest, run_root: str) -> None:
     """Compare the newest complete checkpoint's fingerprint with this config (no workers needed).
-    A changed `train.max_steps` alone passes only as the target `raytrain-ft extend` last recorded
-    (`extend`), while the schedule still allows it (`raytrain_ft.schedule.extension_refusal`)."""
+    A changed `train.max_steps` alone passes only while the schedule allows it (`check_fingerprint`,
+    the restore's comparison too) and as the target `raytrain-ft extend` last recorded (`check_extended`)."""
     newest = newest_checkpoint(run_root)
     if newest is None:
         return
@@ -229,16 +236,8 @@ def check_checkpoint_compatible(cfg: Config, manifest, run_root: str) -> None:
         num_params = sum(
             p.numel() for p in build_model(cfg.model.preset, manifest.vocab_size, manifest.seq_len, 0.0).parameters()
         )
-    current = fingerprint(cfg, manifest, num_params)
-    diff = {k: v for k, v in current.items() if saved.fingerprint.get(k) != v}
-    if set(diff) == {"train.max_steps"}:
+    if check_fingerprint(path, saved.fingerprint, fingerprint(cfg, manifest, num_params)) is not None:
         check_extended(cfg, run_root, path, saved)
-    elif diff:
-        what = ", ".join(f"{k}: checkpoint {saved.fingerprint.get(k)} vs config {v}" for k, v in diff.items())
-        raise CheckpointError(
-            f"checkpoint {path} belongs to a different model or dataset ({what}); "
-            "use the original settings or a new run.name"
-        )
 
 
 def newest_checkpoint(run_root: str) -> tuple[str, RunMeta] | None:
@@ -248,7 +247,7 @@ def newest_checkpoint(run_root: str) -> tuple[str, RunMeta] | None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    for step in sorted((s for s, done in list_step_dirs(run_root).items() if done), reverse=True):
+    for step in reversed(complete_steps(run_root)):
         path, saved = step_path(run_root, step), RunMeta(fingerprint={})
         reader = ChecksummedReader(path)
         try:
@@ -263,11 +262,12 @@ def newest_checkpoint(run_root: str) -> tuple[str, RunMeta] | None:
 
 
 def check_extended(cfg: Config, run_root: str, path: str, saved: RunMeta) -> None:
-    """Raise unless `cfg.train.max_steps` is the run's last recorded extension and the checkpoint at
-    `path` (fingerprint in `saved`) may still continue to it.
+    """Raise unless `cfg.train.max_steps` is the run's last recorded extension (`raytrain-ft extend`)
+    of the checkpoint at `path` (fingerprint in `saved`; that the schedule allows it is
+    `check_fingerprint`'s).
 
     Raises:
-        CheckpointError: one line naming `raytrain-ft extend`, or the reason the schedule refuses.
+        CheckpointError: one line naming `raytrain-ft extend`.
     """
     planned, target = saved.fingerprint["train.max_steps"], cfg.train.max_steps
     recorded = read_extensions(run_root)
@@ -278,5 +278,3 @@ def check_extended(cfg: Config, run_root: str, path: str, saved: RunMeta) -> Non
             f"a wsd run further run `raytrain-ft extend {cfg.run.name} --max-steps {target}` first, else use the "
             "original max_steps or a new run.name"
         )
-    if reason := extension_refusal(saved.fingerprint, target, step_of(path)):
-        raise CheckpointError(f"run {cfg.run.name} cannot continue to train.max_steps={target}: {reason}")

@@ -1,6 +1,6 @@
 """The run's recovery history, derived from the events every component logs to MLflow.
 
-Events (artifacts `events/*.json`, see `tracking.RunLogger.event`): `failure` (written by the Ray
+Events (artifacts `events/*.json`, see `tracking.MlflowRecorder.event`): `failure` (written by the Ray
 Train controller callback: time, short cause per rank (root cause first, see `cause_text`) and
 Ray's full text per rank, last completed step, step time and world size at
 that moment), `attempt_start` (rank 0 after restore: step resumed from, world size) and
@@ -15,6 +15,8 @@ hangs, corrupt checkpoints) form a second table.
 
 from __future__ import annotations
 
+import bisect
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 GUARD_EVENT_KINDS = ("skipped_step", "rollback", "rank_spread", "replica_mismatch", "hang", "corrupt_checkpoint")
@@ -67,6 +69,55 @@ def failures(events: list[dict]) -> list[tuple[int, dict]]:
             merged.append((i, dict(e)))
             open_failure = True
     return merged
+
+
+CONTROL_KINDS = ("failure", "attempt_start", "hang", "rollback")  # the events the loop decides with
+
+
+@dataclass
+class RunHistory:
+    """The run's past that the loop decides with: when the run began and its `CONTROL_KINDS` events.
+
+    Where it comes from (the loop never reads the tracking store): the process that records the
+    events keeps it. On Ray that is the job's `RecorderActor` (`raytrain_ft.launch.recorder_actor`),
+    which loads it from the store once when it starts (once per submission: the earlier
+    submissions' record) and then adds every event it records (the controller's failures, rank 0's
+    attempt starts and rollbacks, hung ranks' reports, the driver's group-start failures); without Ray,
+    the `LocalSession`'s recorder. Workers get a copy through `Session.history()` at an attempt's
+    start and at a rollback, and add their own new event to it (`record`). It feeds:
+
+    * the goodput ledger's gap since the checkpoint's snapshot (`GoodputLedger.add_gap`);
+    * the MTBF of the auto checkpoint interval (`failure_times`, `run_start`);
+    * the sorting of the previous attempt's per-step values (`attempt_starts`).
+
+    `run_start`: the MLflow run's creation (the first submission), unix seconds. `events`: oldest
+    first, without Ray's full error texts (`details`).
+    """
+
+    run_start: float
+    events: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, run_start: float, events: list[dict]) -> RunHistory:
+        """The history of a run created at `run_start` with `events` (any kinds, any order)."""
+        history = cls(run_start)
+        for e in events:
+            history.record(e)
+        return history
+
+    def record(self, event: dict) -> None:
+        """Add `event` (`{"time", "kind", ...}`) in time order, if it is one of `CONTROL_KINDS`."""
+        if event["kind"] in CONTROL_KINDS:
+            kept = {k: v for k, v in event.items() if k != "details"}
+            bisect.insort(self.events, kept, key=lambda e: e["time"])
+
+    def failure_times(self) -> list[float]:
+        """Unix seconds of the run's failures (`failures`: one per restart)."""
+        return [f["time"] for _, f in failures(self.events)]
+
+    def attempt_starts(self) -> list[float]:
+        """Unix seconds of every attempt's start (its `attempt_start` event), oldest first."""
+        return [e["time"] for e in self.events if e["kind"] == "attempt_start"]
 
 
 def recovery_rows(events: list[dict]) -> list[dict]:

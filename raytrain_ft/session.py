@@ -8,14 +8,13 @@ members.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from raytrain_ft.data.position import BatchPlan
-
-if TYPE_CHECKING:
-    from raytrain_ft.tracking import RunLogger
+from raytrain_ft.recorder import Recorder
+from raytrain_ft.recovery import RunHistory
 
 
 class Session(Protocol):
@@ -23,10 +22,15 @@ class Session(Protocol):
     mlflow_run_id: str  # the run's MLflow run (recorded in each checkpoint)
     rank: int  # this worker's rank in the run (the process group's rank; under replica recovery, the replica's)
 
-    def run_logger(self, attempt: bool) -> RunLogger:
-        """The run's MLflow logger (a `RunLogger`, or a proxy with its interface). `attempt=True`
-        (rank 0, once per attempt): this attempt's, with a fresh step timeline; `attempt=False`:
-        for a one-off record (a rank reporting a hang)."""
+    def recorder(self, attempt: bool) -> Recorder:
+        """The run's recorder (`raytrain_ft.recorder`). `attempt=True` (rank 0, once per attempt):
+        this attempt's, with a fresh step timeline; `attempt=False`: for a one-off record (a rank
+        reporting a hang)."""
+
+    def history(self) -> RunHistory:
+        """A copy of the run's history so far (when it began, its failures, attempt starts, hangs and
+        rollbacks; `raytrain_ft.recovery.RunHistory` says who keeps it): what the loop decides with,
+        instead of reading the tracking store."""
 
     def latest_checkpoint(self) -> str | None:
         """Path of the latest committed checkpoint, or None on a fresh start."""

@@ -1,12 +1,14 @@
 """What every optimizer step reports: loss, learning rate, grad norm, throughput, MFU, skips.
 
-`StepMetrics` is a step hook (`raytrain_ft.hooks`) on every rank; rank 0 (the one with a
-`RunLogger`) records each step in the run's timeline (`raytrain_ft.timeline`: `loss`, `lr`,
+`StepMetrics` is a step hook (`raytrain_ft.hooks`) on every rank; each records through its
+`Recorder` (`raytrain_ft.recorder`: rank 0's records, the others' is a `NullRecorder`) each step in
+the run's timeline (`raytrain_ft.timeline`: `loss`, `lr`,
 `grad_norm`, `tokens_per_s`, `tokens_per_s_per_device`, `mfu` on GPU, `step_time_s`, `epoch`,
 `checkpoint_stall_s`, and `val_loss`, `val_perplexity` at a validated step), the attempt's
 `first_step` event with its recovery tables, and each skipped step (`skipped_steps` metric,
-`skipped_step` event), and every `PROGRESS_EVERY` steps logs a progress line (`progress_line`:
-step / max_steps, loss, tokens/s, ETA) that Ray streams to the driver. Every rank logs its skips.
+`skipped_step` event); rank 0 prints a progress line every `PROGRESS_EVERY` steps
+(`progress_line`: step / max_steps, loss, tokens/s, ETA) that Ray streams to the driver. Every
+rank prints its skips.
 
 Step time (seconds) runs from `before_step` to `after_optimizer_step`: batch read, forward/backward,
 clip, guard, optimizer (checkpoint stalls included; a validation, the save and the guards' checks
@@ -20,7 +22,6 @@ import datetime
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,9 +31,7 @@ from raytrain_ft.guards import SpikeGuard
 from raytrain_ft.hardware import peak_flops_per_device
 from raytrain_ft.hooks import StepHook, StepResult
 from raytrain_ft.model import flops_per_token
-
-if TYPE_CHECKING:
-    from raytrain_ft.tracking import RunLogger
+from raytrain_ft.recorder import Recorder
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,7 @@ def progress_line(step: int, max_steps: int, loss: float, grad_norm: float, toke
 
 
 class StepMetrics(StepHook):
-    """One rank's step reporting. `first_step`: the attempt's first step (after the restore)."""
+    """One rank's step reporting. `first_step`: the attempt's first step (the first this hook sees)."""
 
     def __init__(
         self,
@@ -70,19 +69,21 @@ class StepMetrics(StepHook):
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         position: DataPosition,
         guard: SpikeGuard,
-        logger: RunLogger | None,
+        recorder: Recorder,
         rank: int,
-        first_step: int,
     ):
         self.max_steps, self.plan, self.seq_len = cfg.train.max_steps, plan, seq_len
-        self.scheduler, self.position, self.guard, self.logger, self.rank = scheduler, position, guard, logger, rank
-        self.first_step, self.first_batch_at, self.started = first_step, 0.0, 0.0
+        self.scheduler, self.position, self.guard, self.recorder, self.rank = scheduler, position, guard, recorder, rank
+        self.first_step: int | None = None
+        self.first_batch_at = self.started = 0.0
         self.ended: deque[float] = deque(maxlen=ETA_WINDOW + 1)  # perf_counter at the end of the latest steps
         self.flops_per_token = flops_per_token(model, seq_len)
         self.peak_flops = peak_flops_per_device(cfg.scaling) if torch.cuda.is_available() else 0.0  # no MFU on CPU
 
     def before_step(self, step: int) -> None:
         self.started = time.perf_counter()
+        if self.first_step is None:
+            self.first_step = step
 
     def after_batch(self, step: int, micro_batches: list[dict]) -> None:
         if step == self.first_step:
@@ -94,14 +95,12 @@ class StepMetrics(StepHook):
             self.record_skip(r)
 
     def log_step(self, r: StepResult, step_time: float) -> None:
-        if not self.logger:
-            return
         world_size = self.plan.world_size
         tokens_per_s = self.plan.global_batch_size * self.seq_len / step_time
         throughput = {"tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / world_size}
         if self.peak_flops:
             throughput["mfu"] = self.flops_per_token * tokens_per_s / (self.peak_flops * world_size)
-        self.logger.timeline.record(
+        self.recorder.record_step(
             r.step,
             {
                 "loss": r.loss,
@@ -117,9 +116,11 @@ class StepMetrics(StepHook):
             at=time.time(),
         )
         if r.step == self.first_step:
-            self.logger.event("first_step", step=r.step, first_batch_at=self.first_batch_at)
-            self.logger.write_recovery_tables()
+            self.recorder.event("first_step", step=r.step, first_batch_at=self.first_batch_at)
+            self.recorder.write_recovery_tables()
         self.ended.append(time.perf_counter())
+        if self.rank != 0:  # one progress line per step for the job's log
+            return
         if r.step % PROGRESS_EVERY == 0 or r.step == self.first_step:
             eta_s = eta_seconds(list(self.ended), step_time, self.max_steps - r.step)
             log.info(progress_line(r.step, self.max_steps, r.loss, r.grad_norm, tokens_per_s, eta_s))
@@ -128,6 +129,5 @@ class StepMetrics(StepHook):
 
     def record_skip(self, r: StepResult) -> None:
         log.warning("rank %d: skipped step %d: grad_norm %s vs median %s", self.rank, r.step, r.grad_norm, r.median)
-        if self.logger:
-            self.logger.metrics(r.step, {"skipped_steps": self.guard.skipped})
-            self.logger.event("skipped_step", step=r.step, grad_norm=r.grad_norm, median=r.median)
+        self.recorder.metrics(r.step, {"skipped_steps": self.guard.skipped})
+        self.recorder.event("skipped_step", step=r.step, grad_norm=r.grad_norm, median=r.median)

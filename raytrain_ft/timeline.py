@@ -3,25 +3,30 @@
 MLflow cannot delete a logged value, and a restart or a rollback re-runs the steps after the
 checkpoint it resumes from. So rank 0 logs each step's metrics under three prefixes:
 
-- `live/<key>`: every value as it is computed, at once (the live chart; a re-run step appears
-  twice here);
-- `<key>` (the kept timeline): exactly one value per step, logged once a committed checkpoint
-  covers the step. A commit is registered by the runtime asynchronously, so the values up to the
-  *previous* commit are published at each commit (its report could not return before Ray took the
-  previous one), and all of them once the runtime confirms every commit (`settle`, the end of the
-  run). Values of a crashed attempt that were not published yet are published by the next
-  attempt from `live/<key>`;
-- `discarded/<key>`: values that a restart or rollback threw away (steps after the checkpoint
-  resumed from), from `live/<key>` after a crash (what reached MLflow before it) or from memory
-  after a rollback.
+- `train/<key>` (the kept timeline): exactly one value per step, logged once a committed
+  checkpoint covers the step. A commit is registered by the runtime asynchronously, so the values
+  up to the *previous* commit are published at each commit (its report could not return before Ray
+  took the previous one), and all of them once the runtime confirms every commit (`settle`, the
+  end of the run). Values of a crashed attempt that were not published yet are published by the
+  next attempt from `train_live/<key>`;
+- `train_live/<key>`: every value as it is computed, at once (the live chart; a re-run step
+  appears twice here);
+- `train_discarded/<key>`: values that a restart or rollback threw away (steps after the
+  checkpoint resumed from), from `train_live/<key>` after a crash (what reached MLflow before it)
+  or from memory after a rollback.
+
+The prefixes are chosen for what a person opens first: MLflow 3.17's run page (*Model metrics*)
+shows one section per prefix before the `/`, sorted by name, above the section of un-prefixed
+metrics; `train` sorts before `train_discarded` and `train_live`, so the kept timeline is the first
+section (checked in a real browser: `scripts/check_mlflow_ui.py`).
 
 All logging happens on one background thread in batches (`MAX_BATCH` values per request), so a
 slow tracking server never blocks a training step; `drain` waits for it.
 
 A restart that falls back from a corrupt checkpoint to an older one re-runs steps that are already
 on the kept timeline. Training is deterministic in (seed, step), so the re-run values equal the kept
-ones: the kept value stays, the re-run one is not published again (it is under `live/`), and those
-steps are not discarded (the run's final weights were trained on them).
+ones: the kept value stays, the re-run one is not published again (it is under `train_live/`), and
+those steps are not discarded (the run's final weights were trained on them).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from collections.abc import Callable
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
-LIVE, DISCARDED = "live/", "discarded/"
+KEPT, LIVE, DISCARDED = "train/", "train_live/", "train_discarded/"
 MAX_BATCH = 1000  # MLflow's limit on metrics per log_batch request
 log = logging.getLogger(__name__)
 
@@ -51,7 +56,7 @@ class StepTimeline:
         self._thread: threading.Thread | None = None
 
     def record(self, step: int, values: dict[str, float], current: dict[str, float], at: float) -> None:
-        """One step's metrics (`live/` now, the kept timeline later), computed at unix time `at`
+        """One step's metrics (`train_live/` now, the kept timeline `train/` later), computed at unix time `at`
         (seconds); `current` values are logged at step 0, where MLflow's "latest" is the newest
         value (the controller reads `last_step`)."""
         ts = int(at * 1000)
@@ -70,15 +75,15 @@ class StepTimeline:
         self.drain()
 
     def discard_after(self, step: int) -> None:
-        """A rollback to the checkpoint at `step`: the later recorded steps go to `discarded/`."""
+        """A rollback to the checkpoint at `step`: the later recorded steps go to `train_discarded/`."""
         gone = [p for p in self.pending if p[0] > step]
         self.pending = [p for p in self.pending if p[0] <= step]
         self._send([Metric(DISCARDED + k, float(v), ts, s) for s, ts, vals in gone for k, v in vals.items()])
 
     def recover(self, resumed_from: int, attempt_starts: list[float]) -> None:
-        """At the start of an attempt, in the background: sort the previous attempt's `live/` values
-        (logged between the last two `attempt_starts`, unix seconds) into the kept timeline (steps up
-        to `resumed_from` not published yet) and `discarded/` (later steps)."""
+        """At the start of an attempt, in the background: sort the previous attempt's `train_live/`
+        values (logged between the last two `attempt_starts`, unix seconds) into the kept timeline
+        (steps up to `resumed_from` not published yet) and `train_discarded/` (later steps)."""
         if len(attempt_starts) < 2:
             return
         since, until = int(attempt_starts[-2] * 1000), int(attempt_starts[-1] * 1000)
@@ -89,14 +94,14 @@ class StepTimeline:
         live_keys = [k for k in self.client.get_run(self.run_id).data.metrics if k.startswith(LIVE)]
         batch = []
         for live_key in live_keys:
-            key = live_key[len(LIVE) :]
+            key = KEPT + live_key[len(LIVE) :]
             kept = self.kept_before[key] = {m.step for m in self.client.get_metric_history(self.run_id, key)}
             newest: dict[int, Metric] = {}  # a step re-run after a rollback: its newest value is kept
             for m in sorted(self.client.get_metric_history(self.run_id, live_key), key=lambda m: m.timestamp):
                 if not since <= m.timestamp < until:
                     continue
                 if m.step > resumed_from and m.step not in kept:
-                    batch.append(Metric(DISCARDED + key, m.value, m.timestamp, m.step))
+                    batch.append(Metric(DISCARDED + live_key[len(LIVE) :], m.value, m.timestamp, m.step))
                 elif m.step not in kept:
                     newest[m.step] = Metric(key, m.value, m.timestamp, m.step)
             batch += newest.values()
@@ -110,7 +115,7 @@ class StepTimeline:
     def _publish(self, upto: int) -> None:
         ready = [p for p in self.pending if p[0] <= upto]
         self.pending = [p for p in self.pending if p[0] > upto]
-        self._send([Metric(k, float(v), ts, s) for s, ts, vals in ready for k, v in vals.items()])
+        self._send([Metric(KEPT + k, float(v), ts, s) for s, ts, vals in ready for k, v in vals.items()])
 
     def _send(self, batch: list[Metric]) -> None:
         if batch:

@@ -1,10 +1,11 @@
 """MLflow tracking: one MLflow run per training run, across restarts and resubmissions.
 
 The driver creates the run (or reuses the id stored in `<run folder>/mlflow_run_id`) and logs the
-config as params; rank 0 logs step metrics with `MlflowClient.log_batch`, in the background
-(`raytrain_ft.timeline`: one value per step on the kept timeline; a worker must not call
-`mlflow.start_run`, whose exit would mark the run finished); the Ray Train controller callback
-records failures; the driver sets the final status. Default store: `sqlite:///$HOME/raytrain-ft/mlflow.db`
+config as params; `MlflowRecorder` records into it (`raytrain_ft.recorder`; step metrics with
+`MlflowClient.log_batch` in the background, `raytrain_ft.timeline`: one value per step on the kept
+timeline; nothing calls `mlflow.start_run`, whose exit would mark the run finished) for rank 0
+and the Ray Train controller callback (through the job's `RecorderActor`); the driver sets the
+final status. Default store: `sqlite:///$HOME/raytrain-ft/mlflow.db`
 (`DEFAULT_STORE_DIR`; MLflow 3 refuses the plain file store), the same for the driver however it was
 started and for `raytrain-ft history`; view it with
 `mlflow ui --backend-store-uri sqlite:///$HOME/raytrain-ft/mlflow.db --host 127.0.0.1`.
@@ -19,16 +20,17 @@ import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import fsspec
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from raytrain_ft import recovery
 from raytrain_ft.errors import UserError
-from raytrain_ft.timeline import DISCARDED, StepTimeline
+from raytrain_ft.recorder import Recorder
+from raytrain_ft.recovery import RunHistory
+from raytrain_ft.run_folder import RUN_ID_FILE, read_run_id, run_file, write_run_id
+from raytrain_ft.timeline import DISCARDED, KEPT, StepTimeline
 
-RUN_ID_FILE = "mlflow_run_id"
 EVENTS_DIR = "events"
 GOODPUT_SUMMARY = "goodput_summary.json"
 PLOT_MIN_PERIOD_S = 30.0
@@ -67,25 +69,21 @@ def steps_logged_since(client: MlflowClient, run_id: str, since: float) -> list[
 def start_or_resume_run(uri: str, experiment: str, run_root: str, run_name: str, params: dict) -> str:
     """Return the MLflow run id of this training run, creating the run on first submission."""
     client = MlflowClient(uri)
-    fs, base = fsspec.core.url_to_fs(run_root)
-    id_file = f"{base.rstrip('/')}/{RUN_ID_FILE}"
-    if fs.exists(id_file):
-        run_id = fs.cat_file(id_file).decode().strip()
+    run_id = read_run_id(run_root)
+    if run_id is not None:
         try:
             client.update_run(run_id, status="RUNNING")
         except MlflowException:
             raise UserError(
-                f"{id_file} names MLflow run {run_id}, which {uri} does not have; set tracking.uri to the "
-                "store this run logged to (on a cluster: an MLflow server every node reaches)"
+                f"{run_file(run_root, RUN_ID_FILE)} names MLflow run {run_id}, which {uri} does not have; set "
+                "tracking.uri to the store this run logged to (on a cluster: an MLflow server every node reaches)"
             ) from None
         return run_id
     exp = client.get_experiment_by_name(experiment)
     exp_id = exp.experiment_id if exp else client.create_experiment(experiment, _artifact_root(uri), EXPERIMENT_KIND)
     run_id = client.create_run(exp_id, run_name=run_name).info.run_id
     client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
-    fs.makedirs(base, exist_ok=True)
-    with fs.open(id_file, "w") as f:
-        f.write(run_id)
+    write_run_id(run_root, run_id)
     return run_id
 
 
@@ -107,11 +105,17 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-class RunLogger:
-    """Logs to an existing MLflow run by id (safe from Ray workers and the controller)."""
+class MlflowRecorder(Recorder):
+    """The `Recorder` of an existing MLflow run, by id (safe from Ray actors and the controller;
+    the training workers record through a `RemoteRecorder` instead). Beyond the interface: what the
+    driver, the CLI and the tests read back (`events`, `latest_metrics`, `load_history`) and the
+    run's end (`finish`).
 
-    def __init__(self, uri: str, run_id: str):
-        self.client, self.run_id = MlflowClient(uri), run_id
+    `history`: the run's `RunHistory` that `event` keeps up to date (None: none kept).
+    """
+
+    def __init__(self, uri: str, run_id: str, history: RunHistory | None = None):
+        self.client, self.run_id, self.history = MlflowClient(uri), run_id, history
         self.timeline = StepTimeline(self.client, run_id)  # rank 0's per-step metrics
         self._plotter: ThreadPoolExecutor | None = None
         self._plot: Future | None = None
@@ -121,8 +125,11 @@ class RunLogger:
         """When the MLflow run was created (first submission), unix seconds."""
         return self.client.get_run(self.run_id).info.start_time / 1000.0
 
+    def load_history(self) -> RunHistory:
+        """The run's `RunHistory` as the store holds it (when it was created, its events)."""
+        return RunHistory.of(self.run_start(), self.events())
+
     def metrics(self, step: int, values: dict[str, float]) -> None:
-        """Log `values` at `step` now (per-step training metrics go through `timeline` instead)."""
         ts = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), ts, step) for k, v in values.items()])
 
@@ -133,12 +140,14 @@ class RunLogger:
         """Each metric's latest value ({key: value})."""
         return self.client.get_run(self.run_id).data.metrics
 
-    def event(self, kind: str, **fields) -> None:
-        """Record an event (failure, skipped step, ...) as its own artifact `events/<time>-<id>.json`:
-        writers on several ranks and the controller never overwrite each other."""
-        now = time.time()
+    def event(self, kind: str, **fields: object) -> None:
+        """Each event is its own artifact `events/<time>-<id>.json`: writers on several ranks and the
+        controller never overwrite each other."""
+        event = {"time": time.time(), "kind": kind, **fields}
+        if self.history is not None:
+            self.history.record(event)
         name = f"{EVENTS_DIR}/{time.time_ns()}-{uuid.uuid4().hex[:8]}.json"
-        self.client.log_dict(self.run_id, {"time": now, "kind": kind, **fields}, name)
+        self.client.log_dict(self.run_id, event, name)
 
     def events(self) -> list[dict]:
         """Every event of the run, oldest first."""
@@ -153,14 +162,31 @@ class RunLogger:
         return sorted(events, key=lambda e: e["time"])
 
     def hang(self, rank: int, dump: str, stalled_s: float) -> None:
-        """A hang's stack dump as an artifact, plus an event (`stalled_s`: seconds since the last step)."""
-        name = f"hangs/rank{rank}-{int(time.time())}.txt"
+        name = f"hangs/rank{rank}-{int(time.time())}.txt"  # an MLflow artifact, beside the run folder's copy
         self.client.log_text(self.run_id, dump, name)
         self.event("hang", rank=rank, stack_dump=name, stalled_s=stalled_s)
 
+    def record_step(self, step: int, values: dict[str, float], current: dict[str, float], at: float) -> None:
+        self.timeline.record(step, values, current, at)
+
+    def committed(self, step: int) -> None:
+        self.timeline.committed(step)
+
+    def registered(self) -> None:
+        self.timeline.registered()
+
+    def discard_after(self, step: int) -> None:
+        self.timeline.discard_after(step)
+
+    def resume_timeline(self, resumed_from: int, attempt_starts: list[float]) -> None:
+        self.timeline.recover(resumed_from, attempt_starts)
+
+    def drain(self) -> None:
+        """Block until every queued step value is logged."""
+        self.timeline.drain()
+
     def goodput(self, step: int, summary: dict[str, float], final: bool = False) -> None:
-        """The goodput summary (`GoodputLedger.summary`) as metrics at `step`; the final one also as
-        the artifact `goodput_summary.json`."""
+        """The final summary also goes to the artifact `goodput_summary.json`."""
         self.metrics(step, summary)
         if final:
             self.client.log_dict(self.run_id, summary, GOODPUT_SUMMARY)
@@ -186,7 +212,9 @@ class RunLogger:
         from raytrain_ft.loss_plot import LOSS_PLOT, loss_figure
 
         try:
-            kept, discarded = (self.client.get_metric_history(self.run_id, k) for k in ("loss", DISCARDED + "loss"))
+            kept, discarded = (
+                self.client.get_metric_history(self.run_id, k) for k in (KEPT + "loss", DISCARDED + "loss")
+            )
             fig = loss_figure([(m.step, m.value) for m in kept], [(m.step, m.value) for m in discarded], self.events())
             self.client.log_figure(self.run_id, fig, LOSS_PLOT)
         except Exception as e:  # a plot is not worth a failed training run

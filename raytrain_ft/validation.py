@@ -134,7 +134,7 @@ class Validation:
         started = time.perf_counter()
         if self.sequences is None:
             self.sequences = torch.from_numpy(read_rows(self.folder, self.shards, *self.span))
-        module, totals = self.par.module, torch.zeros(2, dtype=torch.float64)
+        module, totals = self.par.forward_module, torch.zeros(2, dtype=torch.float64)
         training = module.training
         module.eval()
         try:

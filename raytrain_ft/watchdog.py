@@ -29,6 +29,7 @@ from collections.abc import Callable
 import fsspec
 
 from raytrain_ft.hooks import StepHook
+from raytrain_ft.run_folder import hang_dump_path
 
 HANG_EXIT_CODE = 75
 # A hung rank's peers block in their next collective one beat later at most, so their watchdogs fire
@@ -89,9 +90,7 @@ class StepWatchdog(StepHook):
         sys.stderr.write(dump)
         sys.stderr.flush()
         try:
-            with fsspec.open(
-                f"{self.run_root}/hangs/rank{self.rank}-{int(time.time())}.txt", "w", auto_mkdir=True
-            ) as out:
+            with fsspec.open(hang_dump_path(self.run_root, self.rank, time.time()), "w", auto_mkdir=True) as out:
                 out.write(dump)
             if self.on_hang:
                 self.on_hang(dump, stalled_s)

@@ -21,12 +21,15 @@ import torch
 import torch.distributed as dist
 from mlflow.tracking import MlflowClient
 
-from raytrain_ft.checkpoint import load_model_state_dict, load_tensors, step_path
+from raytrain_ft.checkpoint import load_model_state_dict, load_tensors
 from raytrain_ft.config import TrainSection, load_config
+from raytrain_ft.data.manifest import load_manifest
+from raytrain_ft.data.order import EpochOrder, steps_per_epoch
 from raytrain_ft.data.prepare import PrepareSettings, prepare
-from raytrain_ft.launch.trainer import RAY_NODE_ENV, WORKER_ENV
+from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV
 from raytrain_ft.loop import lr_schedule
-from raytrain_ft.tracking import RunLogger
+from raytrain_ft.run_folder import step_path
+from raytrain_ft.tracking import MlflowRecorder
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STDLIB_JSON = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
@@ -137,7 +140,7 @@ COMMITTED = "committed"  # an expected resume step that depends on timing: any s
 
 def events(uri: str, run_id: str, kind: str) -> list[dict]:
     """The run's events of one kind, oldest first."""
-    return [e for e in RunLogger(uri, run_id).events() if e["kind"] == kind]
+    return [e for e in MlflowRecorder(uri, run_id).events() if e["kind"] == kind]
 
 
 def assert_resumed(uri: str, run_id: str, expected: list) -> list[dict]:
@@ -170,16 +173,30 @@ def assert_kept_timeline(
     cfg, run_id: str, ref_cfg, ref_run: str, discarded: list[int], rerun_kept: tuple[int, ...] = ()
 ) -> None:
     """One value per step on the kept timeline, equal to the uninterrupted run's where training is
-    deterministic; the re-run steps' first values under `discarded/`, every value under `live/`
+    deterministic; the re-run steps' first values under `train_discarded/`, every value under `train_live/`
     (`rerun_kept`: steps that ran twice and kept their first value, after a corrupt-checkpoint fallback)."""
     client, steps = MlflowClient(cfg.tracking.uri), list(range(1, cfg.train.max_steps + 1))
     for key in STEP_METRICS:
-        assert sorted(m.step for m in client.get_metric_history(run_id, key)) == steps, key
-        assert sorted(m.step for m in client.get_metric_history(run_id, f"discarded/{key}")) == discarded, key
-    for key in ("loss", "lr", "grad_norm", "epoch"):
+        assert sorted(m.step for m in client.get_metric_history(run_id, f"train/{key}")) == steps, key
+        assert sorted(m.step for m in client.get_metric_history(run_id, f"train_discarded/{key}")) == discarded, key
+    for key in ("train/loss", "train/lr", "train/grad_norm", "train/epoch"):
         assert metric_by_step(cfg, run_id, key) == metric_by_step(ref_cfg, ref_run, key), key
     live = sorted(steps + discarded + list(rerun_kept))
-    assert sorted(m.step for m in client.get_metric_history(run_id, "live/loss")) == live
+    assert sorted(m.step for m in client.get_metric_history(run_id, "train_live/loss")) == live
+
+
+def expected_step_ids(dataset: str, steps: int, global_batch_size: int) -> dict[int, list[int]]:
+    """What exactly-once means, computed from the order alone: {step: sorted sample ids} of steps
+    1..`steps`, step s of an epoch taking global batch s of that epoch's permutation (seed 0,
+    micro-batch 2), whatever the world size."""
+    m = load_manifest(dataset)
+    per_epoch = steps_per_epoch(m, global_batch_size, micro_batch_size=2)
+    out = {}
+    for epoch in range((steps - 1) // per_epoch + 1):
+        order = EpochOrder(dataset, m, 0, epoch, global_batch_size, micro_batch_size=2)
+        for i, ids in enumerate(order.step_sample_ids(0, per_epoch)):
+            out[epoch * per_epoch + i + 1] = sorted(ids.tolist())
+    return {s: out[s] for s in range(1, steps + 1)}
 
 
 def uninterrupted_lrs(train: TrainSection) -> dict[int, float]:
@@ -221,8 +238,24 @@ GUARDED = ["guards.fingerprint.interval_steps=7", "guards.rank_check.interval_st
 def reference(tmp_path_factory, dataset, ray_local):
     """The uninterrupted 30-step run every resume test compares against (with the `GUARDED` settings)."""
     tmp = tmp_path_factory.mktemp("reference")
-    from raytrain_ft.launch.trainer import run
+    from raytrain_ft.launch.driver import run
 
     cfg = make_config(tmp, dataset, "run.name=ref", "train.max_steps=30", "data.audit=true", *GUARDED)
+    run_id = run(cfg)
+    return cfg, run_id, final_state(cfg, 30)
+
+
+FSDP = ["parallel.strategy=fsdp", "train.global_batch_size=12", "train.max_steps=30", "data.audit=true"]
+NAN_AT_8 = "{kind: nan, step: 8, rank: 1}"
+
+
+@pytest.fixture(scope="session")
+def fsdp_ref(tmp_path_factory, dataset, ray_local):
+    """Uninterrupted 30-step FSDP run at 2 workers, dropout 0.1, a NaN loss on rank 1 at step 8 (the
+    FSDP resume, guard and resharding tests in test_sharding.py compare against it; test_export.py
+    exports it)."""
+    from raytrain_ft.launch.driver import run
+
+    cfg = make_config(tmp_path_factory.mktemp("fsdp_ref"), dataset, "run.name=fsdp", *FSDP, f"faults=[{NAN_AT_8}]")
     run_id = run(cfg)
     return cfg, run_id, final_state(cfg, 30)

@@ -36,10 +36,9 @@ from conftest import (
     metric_by_step,
     run_root,
 )
-from raytrain_ft.checkpoint import list_step_dirs, step_of
 from raytrain_ft.data.audit import read_audit
-from raytrain_ft.launch.run_files import COMMIT_ACK_FILE, worker_records
-from raytrain_ft.launch.trainer import run
+from raytrain_ft.launch.driver import run
+from raytrain_ft.run_folder import COMMIT_ACK_FILE, list_step_dirs, step_of, worker_records
 from raytrain_ft.tracking import steps_logged_since
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -147,5 +146,5 @@ def test_three_kills_at_random_moments_resume_bitwise(tmp_path, dataset, referen
     # bitwise the uninterrupted run: model and optimizer, every step's sample ids, losses and LRs
     assert_same_state(final_state(cfg, 30), ref_state)
     assert read_audit(root).equals(read_audit(run_root(ref_cfg)))
-    for key in ("loss", "lr"):
+    for key in ("train/loss", "train/lr"):
         assert metric_by_step(cfg, run_id, key) == metric_by_step(ref_cfg, ref_run, key)

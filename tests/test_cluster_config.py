@@ -27,7 +27,7 @@ from jsonschema import ValidationError
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 from raytrain_ft.config import load_config
-from raytrain_ft.launch.trainer import RAY_NODE_ENV
+from raytrain_ft.launch.driver import RAY_NODE_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER_FILES = ["cluster.yaml", "cluster-gcp.yaml"]

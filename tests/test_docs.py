@@ -30,7 +30,7 @@ import yaml
 from conftest import REPO
 from raytrain_ft.config import load_config, reference_markdown, valid_keys
 from raytrain_ft.errors import UserError
-from raytrain_ft.launch.trainer import WORKER_ENV
+from raytrain_ft.launch.driver import WORKER_ENV
 
 README = "README.md"
 DOCS = {README: Path(REPO, README).read_text()} | {
@@ -268,7 +268,7 @@ def test_nccl_environment_is_the_same_in_code_cluster_files_and_docs():
     table = DOCS["docs/cluster.md"].split("## NCCL environment", 1)[1].split("\n## ", 1)[0]
     rows = dict(re.findall(r"^\| `(\w+)` \| (`[^`]*`|not set) \|", table, re.M))
     documented = {k: v.strip("`") for k, v in rows.items() if v != "not set"}
-    assert code == documented, "launch/trainer.py WORKER_ENV vs docs/cluster.md"
+    assert code == documented, "launch/driver.py WORKER_ENV vs docs/cluster.md"
     for cluster_file in ("cluster.yaml", "cluster-gcp.yaml"):
         assert _exports(cluster_file) == code, f"{cluster_file} worker_start_ray_commands vs WORKER_ENV"
     assert {k for k, v in rows.items() if v == "not set"} >= {"TORCH_NCCL_BLOCKING_WAIT", "NCCL_TIMEOUT"}

@@ -11,23 +11,16 @@ import numpy as np
 from mlflow.tracking import MlflowClient
 from scenarios.elastic import elastic_config
 
-from conftest import COMMITTED, REPO, assert_resumed, metric_by_step, scenario_outcome, uninterrupted_lrs
+from conftest import (
+    COMMITTED,
+    REPO,
+    assert_resumed,
+    expected_step_ids,
+    metric_by_step,
+    scenario_outcome,
+    uninterrupted_lrs,
+)
 from raytrain_ft.data.audit import read_audit
-from raytrain_ft.data.manifest import load_manifest
-from raytrain_ft.data.order import EpochOrder, steps_per_epoch
-
-
-def expected_step_ids(dataset: str, steps: int, global_batch_size: int) -> dict[int, list[int]]:
-    """What exactly-once means, computed from the order alone: step s takes global batch s of its epoch."""
-    m = load_manifest(dataset)
-    per_epoch = steps_per_epoch(m, global_batch_size, micro_batch_size=2)
-    out = {}
-    for epoch in range((steps - 1) // per_epoch + 1):
-        order = EpochOrder(dataset, m, 0, epoch, global_batch_size, micro_batch_size=2)
-        ids = order.step_sample_ids(0, per_epoch)
-        for i in range(per_epoch):
-            out[epoch * per_epoch + i + 1] = sorted(ids[i].tolist())
-    return {s: out[s] for s in range(1, steps + 1)}
 
 
 def metric_values(uri: str, run_id: str, key: str) -> list[float]:
@@ -61,7 +54,7 @@ def test_preemption_then_shrink_on_node_loss_then_grow_back(tmp_path, dataset):
     # the split's balance at each size: 8 / (3 x 3) at W=3 (the sequence-level bound), even at W=2
     assert metric_values(cfg.tracking.uri, run_id, "batch_balance") == [8 / 9, 1.0, 8 / 9]
     # the split changed twice; the LR schedule continued as in an uninterrupted run
-    assert metric_by_step(cfg, run_id, "lr") == uninterrupted_lrs(cfg.train)
+    assert metric_by_step(cfg, run_id, "train/lr") == uninterrupted_lrs(cfg.train)
 
     audit = read_audit(str(tmp_path / "runs" / "elastic"))
     steps, ids = audit.column("step").to_numpy(), audit.column("sample_id").to_numpy()

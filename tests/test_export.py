@@ -1,7 +1,8 @@
 """`raytrain-ft export` of real runs (Ray, tiny preset): `transformers` loads the folder and computes
 what the training model computes (`--register`: tests/unit/test_export_folder.py).
 
-Each run trains 10 steps: FSDP at 2 workers, DDP at 1. The training side of each comparison is
+The runs are the suite's shared uninterrupted 30-step runs at 2 workers (`conftest.reference`, DDP;
+`conftest.fsdp_ref`, FSDP): no training of its own. The training side of each comparison is
 restored by the project's own restore (`Checkpointer.restore`, in a one-rank gloo group); the other
 side is `transformers`' `from_pretrained` alone.
 """
@@ -18,43 +19,18 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import make_config, run_root
-from raytrain_ft.checkpoint import Checkpointer, step_path
+from raytrain_ft.checkpoint import Checkpointer
 from raytrain_ft.cli import main
 from raytrain_ft.data.manifest import load_manifest
-from raytrain_ft.launch.trainer import run
-from raytrain_ft.loop import fingerprint
+from raytrain_ft.fingerprint import fingerprint
 from raytrain_ft.parallel import build
+from raytrain_ft.run_folder import step_path
 from raytrain_ft.train_state import KEY_META, KEY_MODEL, ModelState, RunMeta, TrainState
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
-STEPS = 10
+STEPS = 30  # both shared runs end at step 30
 TEXT = '"""JSON (JavaScript Object Notation) <http://json.org> is a subset of\nJavaScript syntax."""\n'
-STRATEGIES = {
-    "fsdp": ["parallel.strategy=fsdp", "scaling.num_workers=2"],
-    "ddp": ["parallel.strategy=ddp", "scaling.num_workers=1"],
-}
-
-
-def trained(tmp_path_factory, dataset, strategy: str):
-    cfg = make_config(
-        tmp_path_factory.mktemp(strategy),
-        dataset,
-        f"run.name={strategy}",
-        f"train.max_steps={STEPS}",
-        *STRATEGIES[strategy],
-    )
-    return cfg, run(cfg)
-
-
-@pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory, dataset):
-    return trained(tmp_path_factory, dataset, "fsdp")
-
-
-@pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory, dataset):
-    return trained(tmp_path_factory, dataset, "ddp")
 
 
 def restored_model(cfg, step: int) -> torch.nn.Module:
@@ -88,12 +64,12 @@ def export_args(cfg, out) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("which", ["fsdp_run", "ddp_run"])
+@pytest.mark.parametrize("which", ["fsdp_ref", "reference"])
 @torch.no_grad()
 def test_transformers_loads_the_export_computes_the_training_models_logits_and_samples(
     which, request, tmp_path, process_group, capsys
 ):
-    cfg, _ = request.getfixturevalue(which)
+    cfg = request.getfixturevalue(which)[0]
     out = tmp_path / "hf"
     assert main(export_args(cfg, out)) == 0
     assert f"step-{STEPS} (step {STEPS})" in capsys.readouterr().out  # the newest checkpoint by default

@@ -9,7 +9,7 @@ from mlflow.tracking import MlflowClient
 from conftest import assert_resumed, assert_same_state, final_state, make_config, metric_by_step, run_root
 from raytrain_ft.cli import main
 from raytrain_ft.errors import CheckpointError
-from raytrain_ft.launch.trainer import RunFailed, newest_checkpoint, run
+from raytrain_ft.launch.driver import RunFailed, newest_checkpoint, run
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -51,10 +51,10 @@ def test_a_wsd_run_extended_at_step_12_ends_as_the_run_planned_for_30(extended, 
     ref_cfg, ref_run = planned_30
     assert_resumed(cfg.tracking.uri, run_id, [0, 12])
     assert_same_state(final_state(cfg, 30), final_state(ref_cfg, 30))
-    lrs = metric_by_step(cfg, run_id, "lr")
-    assert sorted(lrs) == list(range(1, 31)) and lrs == metric_by_step(ref_cfg, ref_run, "lr")
+    lrs = metric_by_step(cfg, run_id, "train/lr")
+    assert sorted(lrs) == list(range(1, 31)) and lrs == metric_by_step(ref_cfg, ref_run, "train/lr")
     assert lrs[30] < lrs[24] == lrs[13]  # it did decay, after step 24, as planned for 30
-    assert metric_by_step(cfg, run_id, "loss") == metric_by_step(ref_cfg, ref_run, "loss")
+    assert metric_by_step(cfg, run_id, "train/loss") == metric_by_step(ref_cfg, ref_run, "train/loss")
     _, meta = newest_checkpoint(run_root(cfg))  # the checkpoint's fingerprint history
     assert meta.fingerprint["train.max_steps"] == 30
     assert meta.history == [{"at_step": 12, "from_max_steps": 20, "max_steps": 30}]
@@ -87,6 +87,15 @@ def test_runs_lists_each_run_with_its_progress_loss_restarts_and_goodput(extende
     client = MlflowClient(cfg.tracking.uri)
     for name, rid, restarts in (("wsd20", run_id, "1"), ("wsd30", ref_run, "0")):
         m = client.get_run(rid).data.metrics
-        val_loss = f"{m['val_loss']:.4f}" if "val_loss" in m else ""  # blank while the run validates nothing
-        assert rows[name] == ["FINISHED", "30/30", f"{m['loss']:.4f}", val_loss, restarts, f"{m['goodput']:.3f}"], name
+        val_loss = (
+            f"{m['train/val_loss']:.4f}" if "train/val_loss" in m else ""
+        )  # blank while the run validates nothing
+        assert rows[name] == [
+            "FINISHED",
+            "30/30",
+            f"{m['train/loss']:.4f}",
+            val_loss,
+            restarts,
+            f"{m['goodput']:.3f}",
+        ], name
     assert set(rows) == {"wsd20", "wsd30"}

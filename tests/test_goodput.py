@@ -8,10 +8,10 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import make_config, metric_by_step
-from raytrain_ft.checkpoint import list_step_dirs
 from raytrain_ft.interval import optimal_interval_s
 from raytrain_ft.local_session import LocalSession
 from raytrain_ft.loop import train
+from raytrain_ft.run_folder import list_step_dirs
 from raytrain_ft.tracking import start_or_resume_run
 
 
@@ -53,7 +53,7 @@ def test_auto_interval_follows_daly_for_the_measured_cost_and_the_configured_mtb
     # `p`, and the next save comes at a + p, or at c if the write outlasted the plan
     assert saves[0] == 3 and saves[-1] == 40
     client = MlflowClient(cfg.tracking.uri)
-    loss_logged = {m.step: m.timestamp for m in client.get_metric_history(run_id, "loss")}
+    loss_logged = {m.step: m.timestamp for m in client.get_metric_history(run_id, "train/loss")}
     plan_logged = {m.step: m.timestamp for m in client.get_metric_history(run_id, "checkpoint_interval_steps")}
     for a, b in zip(saves, saves[1:-1], strict=False):
         committed_at = max(s for s, t in loss_logged.items() if t <= plan_logged[a])

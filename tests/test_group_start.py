@@ -2,7 +2,7 @@
 
 Ray Train 2.60 ends the run on an `ActorDiedError` raised in its controller's `_start_worker_group`
 (a non-retryable controller error) however many restarts are left; the driver resumes instead
-(`raytrain_ft.launch.trainer.failed_during_group_start`). The kill is placed deterministically by a
+(`raytrain_ft.launch.driver.failed_during_group_start`). The kill is placed deterministically by a
 Ray Train controller callback (`RAY_TRAIN_CALLBACKS`, Ray's own hook for extra callbacks): at the
 second group start, once Ray has launched the train function and before any step, it SIGKILLs rank
 1's process and waits on that actor as the controller does, so the controller raises the same
@@ -22,9 +22,9 @@ from mlflow.tracking import MlflowClient
 from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 
 from conftest import assert_resumed, assert_same_state, final_state, make_config
-from raytrain_ft.launch.trainer import run
+from raytrain_ft.launch.driver import run
 from raytrain_ft.recovery import GROUP_START, failures
-from raytrain_ft.tracking import RunLogger
+from raytrain_ft.tracking import MlflowRecorder
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 MARKER_ENV = "RAYTRAIN_FT_TEST_KILL_MARKER"  # a file: the kill happened (once per run, across fit() calls)
@@ -56,7 +56,7 @@ def test_a_worker_lost_while_the_group_restarts_is_survived_and_counted(tmp_path
     assert (tmp_path / "killed").exists()
     # the group start killed after the kill at step 7 never reached a step: the next fit() resumed from 5
     assert_resumed(cfg.tracking.uri, run_id, [0, 5])
-    (_, kill), (_, group_start) = failures(RunLogger(cfg.tracking.uri, run_id).events())
+    (_, kill), (_, group_start) = failures(MlflowRecorder(cfg.tracking.uri, run_id).events())
     assert "killed" in kill["causes"]["1"]
     assert group_start["source"] == GROUP_START and "actor died" in group_start["details"][GROUP_START]
     assert MlflowClient(cfg.tracking.uri).get_run(run_id).data.metrics["restarts"] == 2  # both restarts

@@ -10,9 +10,10 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from conftest import GUARDED, assert_resumed, assert_same_state, events, final_state, make_config
-from raytrain_ft.checkpoint import load_model_state_dict, step_path
+from raytrain_ft.checkpoint import load_model_state_dict
 from raytrain_ft.data.audit import read_audit
-from raytrain_ft.launch.trainer import run
+from raytrain_ft.launch.driver import run
+from raytrain_ft.run_folder import step_path
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from conftest import COMMITTED, REPO, assert_resumed, events, make_config
 from raytrain_ft.errors import ConfigError
-from raytrain_ft.launch.trainer import preflight
+from raytrain_ft.launch.driver import preflight
 
 PRETRAIN = os.path.join(REPO, "jobs", "pretrain.py")
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
@@ -161,8 +161,8 @@ def test_a_stopped_run_is_killed_in_mlflow_and_a_resubmission_finishes_it(tmp_pa
     _, resubmitted = assert_resumed(f"sqlite:///{tmp_path / 'mlflow.db'}", runs[0].info.run_id, [0, COMMITTED])
     assert resubmitted["resumed_from"] >= 10
     assert runs[0].info.run_id == stopped.info.run_id
-    # one value per step, the stopped attempt's unpublished ones included (recovered from live/loss)
-    assert sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "loss")) == list(range(1, 21))
+    # one value per step, the stopped attempt's unpublished ones included (recovered from train_live/loss)
+    assert sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss")) == list(range(1, 21))
 
 
 def committed_steps(snapshot) -> list[int]:

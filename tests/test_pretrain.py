@@ -20,20 +20,20 @@ from conftest import (
     step_dirs,
     uninterrupted_lrs,
 )
-from raytrain_ft.checkpoint import committed_steps, step_path
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.errors import CheckpointError
 from raytrain_ft.integrity import verify_checkpoint
-from raytrain_ft.launch.trainer import RunFailed, run
+from raytrain_ft.launch.driver import RunFailed, run
+from raytrain_ft.run_folder import committed_steps, step_path
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 
 def test_an_uninterrupted_run_completes_and_loss_falls(reference):
     cfg, run_id, _ = reference
-    losses = metric_by_step(cfg, run_id, "loss")
+    losses = metric_by_step(cfg, run_id, "train/loss")
     assert sorted(losses) == list(range(1, 31)) and losses[30] < losses[1]
-    assert metric_by_step(cfg, run_id, "lr") == uninterrupted_lrs(cfg.train)  # what resumed runs are held to
+    assert metric_by_step(cfg, run_id, "train/lr") == uninterrupted_lrs(cfg.train)  # what resumed runs are held to
     assert MlflowClient(cfg.tracking.uri).get_run(run_id).info.status == "FINISHED"
 
 

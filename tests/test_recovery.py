@@ -22,11 +22,12 @@ from conftest import (
     run_root,
 )
 from raytrain_ft.data.audit import read_audit
+from raytrain_ft.launch.driver import RunFailed, run
 from raytrain_ft.launch.tracking_server import mlflow_server
-from raytrain_ft.launch.trainer import RunFailed, run
 from raytrain_ft.loss_plot import loss_figure
 from raytrain_ft.recovery import KILLED, recovery_rows
-from raytrain_ft.tracking import RUN_ID_FILE, RunLogger
+from raytrain_ft.run_folder import RUN_ID_FILE
+from raytrain_ft.tracking import MlflowRecorder
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -103,9 +104,10 @@ def test_two_failures_make_two_recovery_rows_and_the_history_cli_prints_them(
     # the loss plot marks both failures at their last completed step
     assert "loss.png" in {a.path for a in client.list_artifacts(run_id)}
     kept, discarded = (
-        [(m.step, m.value) for m in client.get_metric_history(run_id, k)] for k in ("loss", "discarded/loss")
+        [(m.step, m.value) for m in client.get_metric_history(run_id, k)]
+        for k in ("train/loss", "train_discarded/loss")
     )
-    fig = loss_figure(kept, discarded, RunLogger(cfg.tracking.uri, run_id).events())
+    fig = loss_figure(kept, discarded, MlflowRecorder(cfg.tracking.uri, run_id).events())
     assert sorted(line.get_xdata()[0] for line in fig.axes[0].lines if line.get_gid() == "failure") == [11, 22]
     grey = next(c for c in fig.axes[0].collections if c.get_gid() == "discarded")  # the re-run steps' first values
     assert sorted(x for x, _ in grey.get_offsets()) == [11, 21, 22]
@@ -157,7 +159,7 @@ def test_a_run_out_of_restarts_ends_with_one_line_naming_rank_step_and_cause(tmp
     assert line.startswith("run out failed after 1/1 restarts: rank 1 after step 8: killed (SIGKILL, OOM killer")
     assert line.endswith(f"; details: raytrain-ft history out --tracking-uri {cfg.tracking.uri}")
     # the recovery history says the same, root cause first; Ray's paragraph stays in the event file
-    events = RunLogger(cfg.tracking.uri, run_id_of(cfg)).events()
+    events = MlflowRecorder(cfg.tracking.uri, run_id_of(cfg)).events()
     rows = recovery_rows(events)
     assert [(r["last_step"], r["resumed_from"]) for r in rows] == [(6, 5), (8, None)]
     assert [r["cause"].split("; ")[0] for r in rows] == ["rank 1: " + KILLED] * 2

@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 from moto.server import ThreadedMotoServer
 
 from conftest import REPO, STDLIB_JSON, assert_resumed, assert_same_state, checkpoint_state
-from raytrain_ft.checkpoint import step_path
+from raytrain_ft.run_folder import step_path
 
 
 def free_port() -> int:

@@ -21,14 +21,13 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import final_state, make_config, metric_by_step, run_root, uninterrupted_lrs
-from raytrain_ft.checkpoint import step_path
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import window_sample_ids
 from raytrain_ft.data.position import BatchPlan, DataPosition
-from raytrain_ft.launch.run_files import read_latest_checkpoint, worker_records
-from raytrain_ft.launch.trainer import run
+from raytrain_ft.launch.driver import run
 from raytrain_ft.replicas import state_digest
+from raytrain_ft.run_folder import read_latest, step_path, worker_records
 from raytrain_ft.tracking import steps_logged_since
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -113,5 +112,5 @@ def test_a_replica_killed_between_steps_is_replaced_while_the_other_keeps_traini
     # both replicas ended bitwise equal to each other and to the final checkpoint
     zero, one = final_digest(root, 0), final_digest(root, 1)
     assert zero["step"] == one["step"] == STEPS
-    assert read_latest_checkpoint(root) == step_path(root, STEPS)
+    assert read_latest(root) == step_path(root, STEPS)
     assert zero["digest"] == one["digest"] == state_digest(final_state(cfg, STEPS))

@@ -10,8 +10,9 @@ from mlflow.tracking import MlflowClient
 
 from conftest import make_config, step_dirs
 from raytrain_ft.errors import StorageFullError
-from raytrain_ft.launch.trainer import run
-from raytrain_ft.tracking import RUN_ID_FILE, RunLogger
+from raytrain_ft.launch.driver import run
+from raytrain_ft.run_folder import RUN_ID_FILE
+from raytrain_ft.tracking import MlflowRecorder
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -48,5 +49,5 @@ def test_a_full_disk_ends_the_run_in_one_line_without_spending_restarts(tmp_path
     assert sorted(os.path.basename(d) for d in step_dirs(cfg)) == ["step-10", "step-5"]
     with open(os.path.join(small_disk, "tiny", RUN_ID_FILE)) as f:
         run_id = f.read().strip()
-    assert not [ev for ev in RunLogger(cfg.tracking.uri, run_id).events() if ev["kind"] == "failure"]
+    assert not [ev for ev in MlflowRecorder(cfg.tracking.uri, run_id).events() if ev["kind"] == "failure"]
     assert MlflowClient(cfg.tracking.uri).get_run(run_id).info.status == "FAILED"

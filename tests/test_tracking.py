@@ -14,10 +14,10 @@ from mlflow.tracking import MlflowClient
 from conftest import REPO, scenario_outcome
 from raytrain_ft.cli import main
 from raytrain_ft.errors import ConfigError
-from raytrain_ft.launch.callbacks import RunRecorder
-from raytrain_ft.launch.tracking_actor import RemoteRunLogger, close, start_tracking_actor
+from raytrain_ft.launch.callbacks import ControllerCallback
+from raytrain_ft.launch.recorder_actor import RemoteRecorder, close, start_recorder_actor
 from raytrain_ft.launch.tracking_server import lasting_path
-from raytrain_ft.tracking import start_or_resume_run
+from raytrain_ft.tracking import MlflowRecorder, start_or_resume_run
 
 
 def test_history_of_an_unknown_run_is_one_line_naming_the_store(tmp_path, monkeypatch, capsys):
@@ -74,7 +74,7 @@ def test_without_a_uri_every_node_reaches_the_tracking_server(tmp_path):
 def test_training_workers_do_not_import_mlflow():
     # A restarted worker imports the train function's modules, and those of the RunConfig's callbacks,
     # on the recovery's critical path; MLflow (~0.8 s of CPU, ~1.7 s with a SQLite store) lives in
-    # the run's TrackingActor instead.
+    # the run's RecorderActor instead.
     code = (
         "import sys, raytrain_ft.launch.worker, raytrain_ft.launch.callbacks; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'mlflow'))"
@@ -83,30 +83,34 @@ def test_training_workers_do_not_import_mlflow():
     assert out.stdout.strip() == "[]"
 
 
-def test_the_remote_logger_keeps_call_order_and_the_callers_timestamps(tmp_path, ray_local):
+def test_the_remote_recorder_keeps_call_order_and_the_callers_timestamps(tmp_path, ray_local):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    run_id = start_or_resume_run(uri, "remote-logger", str(tmp_path / "run"), "remote-logger", {})
-    actor = start_tracking_actor(uri, run_id)
-    logger = RemoteRunLogger(actor)
+    run_id = start_or_resume_run(uri, "remote-recorder", str(tmp_path / "run"), "remote-recorder", {})
+    MlflowRecorder(uri, run_id).event("failure", causes={"0": "x"}, last_step=0, time=1.0)  # an earlier submission's
+    actor = start_recorder_actor(uri, run_id)
+    recorder = RemoteRecorder(actor)
     t0 = 1_700_000_000.0  # the caller's clock, not the actor's
     for step in (1, 2, 3):  # none of these calls waits
-        logger.timeline.record(step, {"loss": float(step)}, {"last_step": step}, at=t0 + step)
-    logger.timeline.committed(2)
-    logger.event("probe", step=3, time=t0 + 3.5)
-    assert [(e["kind"], e["time"]) for e in logger.events()] == [("probe", t0 + 3.5)]  # waited, runs after them
-    logger.timeline.registered()  # waited: every committed step is on the kept timeline
+        recorder.record_step(step, {"loss": float(step)}, {"last_step": step}, at=t0 + step)
+    recorder.committed(2)
+    recorder.event("rollback", at_step=3, time=t0 + 3.5)
+    recorder.event("probe", step=3)  # not a control event: not in the history
+    # the history the actor serves: the store's at its start, then each event in call order
+    history = ray.get(actor.history.remote())
+    assert [(e["kind"], e["time"]) for e in history.events] == [("failure", 1.0), ("rollback", t0 + 3.5)]
+    assert history.run_start == MlflowClient(uri).get_run(run_id).info.start_time / 1000
+    recorder.registered()  # waited: every committed step is on the kept timeline
     client = MlflowClient(uri)
-    live = sorted((m.step, m.timestamp) for m in client.get_metric_history(run_id, "live/loss"))
+    live = sorted((m.step, m.timestamp) for m in client.get_metric_history(run_id, "train_live/loss"))
     assert live == [(s, int((t0 + s) * 1000)) for s in (1, 2, 3)]
-    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == [1, 2]
-    assert getattr(logger, "__deepcopy__", None) is None  # dunders are not sent to the actor
+    assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == [1, 2]
     close(actor)
 
 
 def test_a_tracking_failure_never_stops_a_restart(tmp_path, ray_local, caplog):
     # Ray Train ends the run when a controller callback raises: a dead tracking actor must not
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    actor = start_tracking_actor(uri, start_or_resume_run(uri, "dead-actor", str(tmp_path / "run"), "dead-actor", {}))
+    actor = start_recorder_actor(uri, start_or_resume_run(uri, "dead-actor", str(tmp_path / "run"), "dead-actor", {}))
     ray.kill(actor, no_restart=True)
-    RunRecorder(actor, str(tmp_path / "run")).after_exception(None, {1: RuntimeError("boom")})
+    ControllerCallback(actor, str(tmp_path / "run")).after_exception(None, {1: RuntimeError("boom")})
     assert "failure (rank 1: RuntimeError: boom) not recorded in MLflow" in caplog.text

@@ -16,7 +16,7 @@ from conftest import (
     uninterrupted_lrs,
 )
 from raytrain_ft.data.audit import read_audit
-from raytrain_ft.launch.trainer import run
+from raytrain_ft.launch.driver import run
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 THREE = ("scaling.num_workers=3", "train.max_steps=20", "data.audit=true", "checkpoint.interval_steps=5")
@@ -34,7 +34,7 @@ def test_a_kill_at_an_uneven_world_size_resumes_bitwise(tmp_path, dataset, unint
     run_id = run(cfg)
     assert_resumed(cfg.tracking.uri, run_id, [0, 10])
     assert_same_state(final_state(cfg, 20), final_state(ref_cfg, 20))
-    assert metric_by_step(cfg, run_id, "lr") == uninterrupted_lrs(cfg.train)
+    assert metric_by_step(cfg, run_id, "train/lr") == uninterrupted_lrs(cfg.train)
     audit = read_audit(run_root(cfg))
     assert audit.equals(read_audit(run_root(ref_cfg)))
     steps, ranks = audit.column("step").to_numpy(), audit.column("rank").to_numpy()

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from conftest import STDLIB_JSON, assert_resumed, make_config, metric_by_step
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.prepare import PrepareSettings, prepare, validation_size
-from raytrain_ft.launch.trainer import run
+from raytrain_ft.launch.driver import run
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 VALIDATED = [3, 6, 9, 12, 15, 18]  # validation.interval_steps=3 over 20 steps
@@ -82,13 +82,16 @@ def test_val_loss_after_a_kill_and_resume_equals_the_uninterrupted_runs(tmp_path
     assert_resumed(cfg.tracking.uri, run_id, [0, 10])
     client = MlflowClient(cfg.tracking.uri)
     for c, r in ((ref_cfg, ref_run), (cfg, run_id)):
-        for key in ("val_loss", "val_perplexity"):  # exactly one value per validated step on the kept timeline
+        for key in (
+            "train/val_loss",
+            "train/val_perplexity",
+        ):  # exactly one value per validated step on the kept timeline
             assert sorted(x.step for x in MlflowClient(c.tracking.uri).get_metric_history(r, key)) == VALIDATED, key
-    assert sorted(x.step for x in client.get_metric_history(run_id, "discarded/val_loss")) == [12]  # re-run
-    val = metric_by_step(cfg, run_id, "val_loss")
-    assert val == metric_by_step(ref_cfg, ref_run, "val_loss")  # bitwise, at every validated step
+    assert sorted(x.step for x in client.get_metric_history(run_id, "train_discarded/val_loss")) == [12]  # re-run
+    val = metric_by_step(cfg, run_id, "train/val_loss")
+    assert val == metric_by_step(ref_cfg, ref_run, "train/val_loss")  # bitwise, at every validated step
     assert all(v > 0 and math.isfinite(v) for v in val.values()) and val[18] < val[3]
-    perplexity = metric_by_step(cfg, run_id, "val_perplexity")
+    perplexity = metric_by_step(cfg, run_id, "train/val_perplexity")
     assert all(perplexity[s] == pytest.approx(math.exp(val[s])) for s in VALIDATED)
     metrics = client.get_run(run_id).data.metrics
     assert metrics["badput_validation_s"] > 0  # its own goodput bucket, not productive time

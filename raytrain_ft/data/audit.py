@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from raytrain_ft.hooks import StepHook
+from raytrain_ft.run_folder import AUDIT_DIR, run_file
 
-AUDIT_DIR = "audit"
 PAD = -1  # no sample (sample ids are >= 0)
 
 
@@ -87,7 +87,7 @@ class DataAudit(StepHook):
         table = pa.table(
             {"step": np.concatenate(steps), "rank": np.concatenate(ranks), "sample_id": np.concatenate(ids)}
         )
-        fs, base = fsspec.core.url_to_fs(f"{self.run_root}/{AUDIT_DIR}")
+        fs, base = fsspec.core.url_to_fs(run_file(self.run_root, AUDIT_DIR))
         fs.makedirs(base, exist_ok=True)
         # written under a temporary name, then renamed: a rank killed mid-write (an elastic resize
         # tearing the group down during a save) leaves a `.partial` file, never a torn audit file
@@ -104,7 +104,7 @@ def read_audit(run_root: str) -> pa.Table:
     Raises:
         FileNotFoundError: the run wrote no audit (`data.audit` was off).
     """
-    fs, base = fsspec.core.url_to_fs(f"{run_root.rstrip('/')}/{AUDIT_DIR}")
+    fs, base = fsspec.core.url_to_fs(run_file(run_root, AUDIT_DIR))
     written = [p for p in fs.ls(base, detail=False) if p.endswith(".parquet")]  # not `.partial` leftovers
     files = sorted(written, key=lambda p: int(p.rsplit("/", 1)[-1].split("-")[0]))
     latest: dict[int, pa.Table] = {}

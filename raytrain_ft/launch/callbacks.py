@@ -8,9 +8,9 @@ import re
 import ray
 from ray.train.v2.api.callback import UserCallback
 
-from raytrain_ft.launch.run_files import write_commit_ack
-from raytrain_ft.launch.tracking_actor import RemoteRunLogger
+from raytrain_ft.launch.recorder_actor import RemoteRecorder
 from raytrain_ft.recovery import CONSEQUENCE, KILLED, cause_text
+from raytrain_ft.run_folder import write_commit_ack
 
 log = logging.getLogger(__name__)
 TRACKING_TIMEOUT_S = 30.0  # the controller waits this long for each tracking call, then restarts without it
@@ -61,7 +61,7 @@ def plain_cause(exc: BaseException) -> str:
     return describe(exc)
 
 
-class RunRecorder(UserCallback):
+class ControllerCallback(UserCallback):
     """Runs on the controller.
 
     On every failure: the short cause per rank (`plain_cause`) as a tag and a `failure` event (with
@@ -70,17 +70,17 @@ class RunRecorder(UserCallback):
     checkpoint: its path is written to `<run folder>/last_commit_ack`, so a worker can wait until
     Ray has registered a commit (`RaySession.flush`).
 
-    It logs through the run's `TrackingActor` (`tracking`), not an MLflow client of its own: Ray
+    It records through the run's `RecorderActor` (`recorder_actor`), not an MLflow client of its own: Ray
     Train ships the `RunConfig`, and with it this callback, to every worker at every worker-group
     start, and unpickling it there imports this module; MLflow's import alone cost each restarted
     worker ~0.8 s (`test_training_workers_do_not_import_mlflow`). Each call waits (at most
-    `TRACKING_TIMEOUT_S`), so the failure is recorded before the next attempt reads the events; a
+    `TRACKING_TIMEOUT_S`), so the failure is in the run history before the next attempt reads it; a
     tracking error is logged and never decides whether Ray restarts the group (Ray Train ends the
     run on an exception from a callback).
     """
 
-    def __init__(self, tracking: ray.actor.ActorHandle, run_root: str):
-        self.tracking, self.run_root = tracking, run_root
+    def __init__(self, recorder_actor: ray.actor.ActorHandle, run_root: str):
+        self.recorder_actor, self.run_root = recorder_actor, run_root
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
         if checkpoint is not None:
@@ -90,10 +90,10 @@ class RunRecorder(UserCallback):
         # Ray restarts the group only after this returns: one read, one tag write, one event file.
         causes = {str(rank): plain_cause(e) for rank, e in sorted(worker_exceptions.items())}
         try:
-            logger = RemoteRunLogger(self.tracking, wait_all=True, timeout_s=TRACKING_TIMEOUT_S)
-            latest = logger.latest_metrics()
-            logger.tags({"last_failure_cause": cause_text(causes)})
-            logger.event(
+            recorder = RemoteRecorder(self.recorder_actor, wait=True, timeout_s=TRACKING_TIMEOUT_S)
+            latest = recorder.latest_metrics()
+            recorder.tags({"last_failure_cause": cause_text(causes)})
+            recorder.event(
                 "failure",
                 causes=causes,
                 details={str(rank): str(e)[:20000] for rank, e in worker_exceptions.items()},  # Ray's full text

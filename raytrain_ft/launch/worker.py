@@ -11,18 +11,14 @@ import torch
 from ray.train import Checkpoint, CheckpointUploadMode
 
 from raytrain_ft import loop
-from raytrain_ft.checkpoint import prune, step_of
+from raytrain_ft.checkpoint import prune
 from raytrain_ft.config import from_dict
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.launch.datasource import rank_micro_batches
-from raytrain_ft.launch.run_files import (
-    read_commit_ack,
-    read_latest_checkpoint,
-    write_latest_checkpoint,
-    write_worker_record,
-)
-from raytrain_ft.launch.tracking_actor import RemoteRunLogger
+from raytrain_ft.launch.recorder_actor import WAIT_TIMEOUT_S, RemoteRecorder
+from raytrain_ft.recovery import RunHistory
+from raytrain_ft.run_folder import read_commit_ack, read_latest, step_of, write_latest, write_worker_record
 
 log = logging.getLogger(__name__)
 FLUSH_TIMEOUT_S = 60
@@ -31,7 +27,7 @@ FLUSH_TIMEOUT_S = 60
 class RaySession:
     """`raytrain_ft.session.Session` for a Ray Train worker."""
 
-    def __init__(self, data_path: str, seed: int, tracking: ray.actor.ActorHandle, mlflow_run_id: str):
+    def __init__(self, data_path: str, seed: int, recorder_actor: ray.actor.ActorHandle, mlflow_run_id: str):
         ctx = ray.train.get_context()
         self.rank = ctx.get_world_rank()
         storage = ctx.get_storage()
@@ -41,14 +37,17 @@ class RaySession:
         self.run_root = path if scheme == "local" else f"{scheme}://{path}"  # fsspec URL for DCP and our files
         write_worker_record(self.run_root, self.rank)
         self.data_path, self.seed = data_path, seed
-        self.tracking, self.mlflow_run_id = tracking, mlflow_run_id
+        self.recorder_actor, self.mlflow_run_id = recorder_actor, mlflow_run_id
         self.manifest = load_manifest(data_path)
         self.last_commit: str | None = None
 
-    def run_logger(self, attempt: bool) -> RemoteRunLogger:
+    def recorder(self, attempt: bool) -> RemoteRecorder:
         if attempt:
-            self.tracking.new_attempt.remote()
-        return RemoteRunLogger(self.tracking)
+            self.recorder_actor.new_attempt.remote()
+        return RemoteRecorder(self.recorder_actor)
+
+    def history(self) -> RunHistory:
+        return ray.get(self.recorder_actor.history.remote(), timeout=WAIT_TIMEOUT_S)
 
     def latest_checkpoint(self) -> str | None:
         checkpoint = ray.train.get_checkpoint()
@@ -94,23 +93,23 @@ class ReplicaSession(RaySession):
     here waits on another Ray Train worker. `ray.train.report` and `get_preemption_info` are
     barriers over every worker, and a survivor blocked in one while its replacement waits in the
     torchft quorum deadlocks. So the replica that wrote a checkpoint (the step's participant of rank
-    0, alone) commits it in `<run folder>/latest_checkpoint` (`run_files.write_latest_checkpoint`:
+    0, alone) commits it in `<run folder>/latest_checkpoint` (`run_folder.write_latest`:
     renamed into place whole) and prunes older ones to `checkpoint.num_to_keep` (`checkpoint.prune`);
     a restart of every replica resumes from it (Ray Train's `get_checkpoint()` holds none in this
     mode). Preemption notices are not read."""
 
-    def __init__(self, cfg, tracking: ray.actor.ActorHandle, mlflow_run_id: str):
-        super().__init__(cfg.data.path, cfg.train.seed, tracking, mlflow_run_id)
+    def __init__(self, cfg, recorder_actor: ray.actor.ActorHandle, mlflow_run_id: str):
+        super().__init__(cfg.data.path, cfg.train.seed, recorder_actor, mlflow_run_id)
         self.keep = cfg.checkpoint.num_to_keep
 
     def latest_checkpoint(self) -> str | None:
-        return read_latest_checkpoint(self.run_root)
+        return read_latest(self.run_root)
 
     def commit(self, step: int, path: str, metrics: dict[str, float]) -> None:
-        current = read_latest_checkpoint(self.run_root)
+        current = read_latest(self.run_root)
         if current is not None and step_of(current) >= step:  # another replica committed a newer one meanwhile
             return
-        write_latest_checkpoint(self.run_root, path)
+        write_latest(self.run_root, path)
         prune(self.run_root, step, self.keep)
 
     def flush(self) -> None:
@@ -121,10 +120,10 @@ class ReplicaSession(RaySession):
 
 
 def train_func(args: dict) -> None:
-    """`train_loop_per_worker` of the `TorchTrainer` (args: config dict, `TrackingActor`, MLflow run id)."""
+    """`train_loop_per_worker` of the `TorchTrainer` (args: config dict, `RecorderActor`, MLflow run id)."""
     cfg = from_dict(args["config"])
     if cfg.failure.recovery == "replica":
-        session: RaySession = ReplicaSession(cfg, args["tracking"], args["mlflow_run_id"])
+        session: RaySession = ReplicaSession(cfg, args["recorder_actor"], args["mlflow_run_id"])
     else:
-        session = RaySession(cfg.data.path, cfg.train.seed, args["tracking"], args["mlflow_run_id"])
-    loop.train(cfg, session)  # type: ignore[arg-type]  # its run_logger is a RunLogger proxy (RemoteRunLogger)
+        session = RaySession(cfg.data.path, cfg.train.seed, args["recorder_actor"], args["mlflow_run_id"])
+    loop.train(cfg, session)

@@ -22,8 +22,8 @@ from mlflow.tracking import MlflowClient
 from ray.cluster_utils import Cluster
 
 from raytrain_ft.config import Config, load_config
-from raytrain_ft.launch.trainer import WORKER_ENV, run
-from raytrain_ft.tracking import RunLogger
+from raytrain_ft.launch.driver import WORKER_ENV, run
+from raytrain_ft.tracking import MlflowRecorder
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -94,7 +94,7 @@ def main(dataset: str, workdir: str) -> None:
         capture_output=True,
         timeout=60,
     )
-    logger = RunLogger(cfg.tracking.uri, run_id)
+    logger = MlflowRecorder(cfg.tracking.uri, run_id)
     while not any(e["kind"] == "preemption_checkpoint" for e in logger.events()):
         time.sleep(0.5)
     # ... then the node goes.

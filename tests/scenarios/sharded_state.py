@@ -63,7 +63,7 @@ def state_bytes(out: str, preset: str, vocab: int, seq_len: int, strategy: str) 
         torch.save(initial, os.path.join(out, f"initial-{preset}-{strategy}.pt"))
     tokens = torch.randint(0, vocab, (1, seq_len + 1), generator=torch.Generator().manual_seed(dist.get_rank()))
     with par.micro_batch(last=True):
-        lm_loss(par.module, tokens).backward()
+        lm_loss(par.forward_module, tokens).backward()
     norm = par.clip_grad_norm_(1e9)  # no clipping: the gradients keep their size for the byte count
     optimizer.step()
     params = list(par.model.parameters())

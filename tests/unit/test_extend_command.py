@@ -12,10 +12,9 @@ import torch.distributed.checkpoint as dcp
 from mlflow.tracking import MlflowClient
 
 from conftest import events
-from raytrain_ft.checkpoint import step_path
 from raytrain_ft.cli import main
 from raytrain_ft.integrity import ChecksummedWriter
-from raytrain_ft.launch.run_files import read_extensions
+from raytrain_ft.run_folder import read_extensions, step_path
 from raytrain_ft.tracking import start_or_resume_run
 from raytrain_ft.train_state import KEY_META, RunMeta
 

@@ -7,7 +7,7 @@ import pytest
 from raytrain_ft.config import load_config
 from raytrain_ft.faults import InjectedFault
 from raytrain_ft.launch.callbacks import describe, plain_cause
-from raytrain_ft.launch.trainer import MAX_LINE, failure_line
+from raytrain_ft.launch.driver import MAX_LINE, failure_line
 from raytrain_ft.recovery import CONSEQUENCE, KILLED, cause_text, failures, guard_rows, recovery_rows, totals
 
 # Ray 2.60's and torch 2.13's own words, captured on this machine: an actor that called os._exit

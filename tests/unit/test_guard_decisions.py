@@ -7,8 +7,15 @@ import math
 import pytest
 import torch
 
+from raytrain_ft.config import GuardsSection
 from raytrain_ft.faults import flip_bit
 from raytrain_ft.guards import (
+    GuardError,
+    NoRollbackTargetError,
+    RankChecks,
+    RankSpreadError,
+    ReplicaMismatchError,
+    SkipDisagreementError,
     SpikeGuard,
     mismatch_alert,
     rank_spread,
@@ -16,6 +23,7 @@ from raytrain_ft.guards import (
     replica_mismatch,
     spread_alert,
 )
+from raytrain_ft.recorder import NullRecorder
 
 
 def test_a_spike_is_judged_only_after_warmup_and_against_the_median_of_the_window():
@@ -111,3 +119,23 @@ def test_one_flipped_bit_changes_the_checksum_and_equal_tensors_give_equal_ones(
     assert replica_checksum(params) == expected
     flip_bit(copy[0])
     assert replica_checksum(copy) - replica_checksum(params) in (1 << 20, -(1 << 20))
+
+
+@pytest.mark.parametrize(
+    ("kind", "error"), [("rank_spread", RankSpreadError), ("replica_mismatch", ReplicaMismatchError)]
+)
+def test_an_alert_under_restart_raises_its_own_guard_error_after_settling(kind, error):
+    settled = []
+    checks = RankChecks(GuardsSection(on_alert="restart"), None, None, NullRecorder(), lambda: settled.append(1))  # type: ignore[arg-type]
+    with pytest.raises(GuardError) as raised:
+        checks.alert(7, kind, {"detail": 1})
+    assert type(raised.value) is error and str(raised.value) == f"step 7: {kind} {{'detail': 1}}"
+    assert settled == [1]  # the in-flight checkpoint commits first
+    RankChecks(GuardsSection(on_alert="warn"), None, None, NullRecorder(), settled.clear).alert(7, kind, {})  # type: ignore[arg-type]
+    assert settled == [1]  # warn: logged, no settle, no raise
+
+
+def test_every_guard_stop_has_its_own_type_under_one_base():
+    causes = (ReplicaMismatchError, RankSpreadError, SkipDisagreementError, NoRollbackTargetError)
+    assert len(set(causes)) == 4 and all(issubclass(c, GuardError) and c is not GuardError for c in causes)
+    assert not any(issubclass(a, b) for a in causes for b in causes if a is not b)

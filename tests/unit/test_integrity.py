@@ -17,10 +17,11 @@ import xxhash
 
 from conftest import flip_bit, stored_item
 from raytrain_ft import cli
-from raytrain_ft.checkpoint import Checkpointer, step_path
+from raytrain_ft.checkpoint import Checkpointer
 from raytrain_ft.data.position import DataPosition
 from raytrain_ft.errors import CheckpointError
-from raytrain_ft.integrity import CHECKSUM_FILE, verify_checkpoint
+from raytrain_ft.integrity import verify_checkpoint
+from raytrain_ft.run_folder import CHECKSUM_FILE, step_path
 from raytrain_ft.train_state import (
     COMPONENT_KEYS,
     KEY_DATA,

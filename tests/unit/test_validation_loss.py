@@ -72,7 +72,7 @@ def val_loss(workdir: str, strategy: str, micro_batch_size: int) -> tuple[float,
     )
     assert validation.maybe_run(4).metrics == {}  # not due
     got = validation.maybe_run(5)
-    return got.metrics["val_loss"], par.module.training
+    return got.metrics["val_loss"], par.forward_module.training
 
 
 def two_ranks(rank: int, workdir: str) -> None:
@@ -98,7 +98,7 @@ def test_fsdp_at_two_ranks_and_ddp_at_one_give_the_same_val_loss(tmp_path, proce
     assert 3.0 < ddp < 6.0  # about ln(64) = 4.16 for random weights: a real loss, not 0 or a sum
     assert fsdp == pytest.approx(ddp, rel=1e-6)
     by_hand = torch.nn.functional.cross_entropy(  # the mean over the 7 sequences, computed directly
-        par.module.eval()(input_ids=torch.from_numpy(rows[:, :-1]).long()).logits.flatten(0, 1),
+        par.forward_module.eval()(input_ids=torch.from_numpy(rows[:, :-1]).long()).logits.flatten(0, 1),
         torch.from_numpy(rows[:, 1:]).long().flatten(),
     )
     assert ddp == pytest.approx(by_hand.item(), rel=1e-6)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import time
@@ -13,19 +12,18 @@ from ray.exceptions import RayActorError
 from ray.train import CheckpointConfig, ControllerError, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from raytrain_ft.checkpoint import step_of
 from raytrain_ft.config import Config, to_dict
-from raytrain_ft.errors import CheckpointError, UserError, find_user_error, raise_if_ended
-from raytrain_ft.launch.callbacks import RunRecorder, describe, plain_cause
-from raytrain_ft.launch.run_files import record_extension
-from raytrain_ft.launch.tracking_actor import close, start_tracking_actor
+from raytrain_ft.errors import CheckpointError, UserError, find_user_error
+from raytrain_ft.launch.callbacks import ControllerCallback, describe, plain_cause
+from raytrain_ft.launch.recorder_actor import RemoteRecorder, close, start_recorder_actor
 from raytrain_ft.launch.tracking_server import lasting_path, tracking_store
 from raytrain_ft.launch.worker import train_func
 from raytrain_ft.preflight import newest_checkpoint, problems
 from raytrain_ft.recovery import GROUP_START, failures, root_first, who
 from raytrain_ft.replicas import LIGHTHOUSE
+from raytrain_ft.run_folder import raise_if_ended, record_extension, run_root, step_of
 from raytrain_ft.schedule import extension_refusal
-from raytrain_ft.tracking import RunLogger, flatten, resolve_uri, start_or_resume_run
+from raytrain_ft.tracking import MlflowRecorder, flatten, resolve_uri, start_or_resume_run
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +78,11 @@ def preflight(cfg: Config) -> None:
         raise found[0]
 
 
-def extend(run_root: str, max_steps: int, logger: RunLogger) -> dict:
+def extend(run_root: str, max_steps: int, recorder: MlflowRecorder) -> dict:
     """Record that the run in `run_root` trains on to `max_steps`: in `<run folder>/extensions.json`
     (what the next submission's preflight checks), as an `extended` event and the `max_steps` tag of
-    its MLflow run (`logger`); the resumed run adds it to its checkpoints' fingerprint history
-    (`RunMeta.history`). Returns the record (`run_files.read_extensions`).
+    its MLflow run (`recorder`); the resumed run adds it to its checkpoints' fingerprint history
+    (`RunMeta.history`). Returns the record (`run_folder.read_extensions`).
 
     Raises:
         CheckpointError: no complete checkpoint yet, or the schedule refuses (one line with the reason).
@@ -106,21 +104,21 @@ def extend(run_root: str, max_steps: int, logger: RunLogger) -> dict:
         "max_steps": max_steps,
     }
     record_extension(run_root, record)
-    logger.event("extended", **record)
-    logger.tags({"max_steps": str(max_steps)})
+    recorder.event("extended", **record)
+    recorder.tags({"max_steps": str(max_steps)})
     return record
 
 
 MAX_LINE = 300
 
 
-def failure_line(cfg: Config, logger: RunLogger, started: float, fallback: str) -> str:
+def failure_line(cfg: Config, recorder: MlflowRecorder, started: float, fallback: str) -> str:
     """The job's last line when the run used up `failure.max_failures` (under `MAX_LINE` characters):
     run name, restarts used, the root-cause rank, its last completed step, the plain cause
     (`callbacks.plain_cause`), and the command that shows the whole history. `started`: when this
     submission's `fit()` began (unix seconds; earlier submissions' failures are not counted)."""
     try:
-        these = [f for _, f in failures(logger.events()) if f["time"] >= started]
+        these = [f for _, f in failures(recorder.events()) if f["time"] >= started]
     except Exception:  # the tracking store is unreachable: say what Ray said
         these = []
     uri = resolve_uri(cfg.tracking.uri)  # the store's own URI, not the embedded server's (gone after the job)
@@ -151,11 +149,11 @@ def run(cfg: Config) -> str:
         return _fit(cfg, uri)
 
 
-def _torch_trainer(cfg: Config, tracking, run_id: str, run_root: str, max_failures: int) -> TorchTrainer:
+def _torch_trainer(cfg: Config, recorder_actor, run_id: str, run_root: str, max_failures: int) -> TorchTrainer:
     lo, hi = cfg.worker_range
     return TorchTrainer(
         train_func,
-        train_loop_config={"config": to_dict(cfg), "tracking": tracking, "mlflow_run_id": run_id},
+        train_loop_config={"config": to_dict(cfg), "recorder_actor": recorder_actor, "mlflow_run_id": run_id},
         # mypy reads ray.train's Ray Train v1 names; v2 (the default, which this needs) exports its own
         scaling_config=ScalingConfig(  # type: ignore[call-arg]
             num_workers=lo if lo == hi else (lo, hi),  # type: ignore[arg-type]
@@ -169,7 +167,7 @@ def _torch_trainer(cfg: Config, tracking, run_id: str, run_root: str, max_failur
             storage_path=cfg.run.storage_path,
             failure_config=FailureConfig(max_failures=max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
-            callbacks=[RunRecorder(tracking, run_root)],  # type: ignore[list-item]
+            callbacks=[ControllerCallback(recorder_actor, run_root)],  # type: ignore[list-item]
         ),
     )
 
@@ -196,24 +194,24 @@ def failed_during_group_start(e: BaseException) -> bool:
     return isinstance(e, ControllerError) and isinstance(e.controller_failure, RayActorError)
 
 
-def restarts_left(logger: RunLogger, started: float, max_failures: int) -> int:
+def restarts_left(recorder: MlflowRecorder, started: float, max_failures: int) -> int:
     """`failure.max_failures` minus the failures of this submission (since unix time `started`), each of
     which was (or is about to be) followed by a restart: what the next `fit()` may still use; negative
     when the limit is used up. Counted from the run's `failure` events, as the failure line and the
     recovery history count them."""
-    return max_failures - len([f for _, f in failures(logger.events()) if f["time"] >= started])
+    return max_failures - len([f for _, f in failures(recorder.events()) if f["time"] >= started])
 
 
 def _fit(cfg: Config, uri: str) -> str:
     """Fit until the run finishes. A worker lost while Ray Train starts the group
     (`failed_during_group_start`) is recorded as a failure like any other and, while restarts are
     left, `fit()` runs again with the same run name: Ray Train resumes from its committed
-    checkpoint, the MLflow run and the tracking actor stay, and the new `fit()` may use only the
+    checkpoint, the MLflow run and the recorder actor stay, and the new `fit()` may use only the
     restarts left (`restarts_left`)."""
-    run_root = os.path.join(cfg.run.storage_path, cfg.run.name)
-    run_id = start_or_resume_run(uri, cfg.tracking.experiment, run_root, cfg.run.name, flatten(to_dict(cfg)))
-    tracking = start_tracking_actor(uri, run_id)  # rank 0's MLflow client, across every restart
-    logger = RunLogger(uri, run_id)
+    root = run_root(cfg.run.storage_path, cfg.run.name)
+    run_id = start_or_resume_run(uri, cfg.tracking.experiment, root, cfg.run.name, flatten(to_dict(cfg)))
+    recorder_actor = start_recorder_actor(uri, run_id)  # rank 0's MLflow client, across every restart
+    recorder = MlflowRecorder(uri, run_id)  # the driver's own: the run's status, the failure line
     started = time.time()
     main = threading.current_thread() is threading.main_thread()  # signal handlers live in the main thread
     sigterm = _OnSigterm()
@@ -222,48 +220,49 @@ def _fit(cfg: Config, uri: str) -> str:
         left = cfg.failure.max_failures
         while True:
             try:
-                _torch_trainer(cfg, tracking, run_id, run_root, left).fit()
+                _torch_trainer(cfg, recorder_actor, run_id, root, left).fit()
                 break
             except Exception as e:
                 if sigterm.signalled or not failed_during_group_start(e) or find_user_error(e):
                     raise
-                _record_group_start_failure(logger, e)
-                left = restarts_left(logger, started, cfg.failure.max_failures)
+                # through the actor: in the run history the next attempt plans with
+                _record_group_start_failure(RemoteRecorder(recorder_actor, wait=True), e)
+                left = restarts_left(recorder, started, cfg.failure.max_failures)
                 if left < 0:
                     raise
                 log.warning("a worker died while the worker group started (%s); resuming, %d restarts left", e, left)
     except BaseException as e:
-        close(tracking, timeout_s=2.0 if sigterm.signalled else 60.0)  # queued values before the end time
+        close(recorder_actor, timeout_s=2.0 if sigterm.signalled else 60.0)  # queued values before the end time
         if sigterm.signalled:  # a terminal status and an end time; a resubmission sets RUNNING again
-            logger.finish("KILLED")
+            recorder.finish("KILLED")
             raise Terminated("stopped by SIGTERM") from None
         if not isinstance(e, Exception):
             raise
-        logger.finish("FAILED")  # Ray wraps worker errors (TrainingFailedError / ControllerError)
+        recorder.finish("FAILED")  # Ray wraps worker errors (TrainingFailedError / ControllerError)
         user = find_user_error(e)
-        raise user or RunFailed(failure_line(cfg, logger, started, describe(e))) from None
+        raise user or RunFailed(failure_line(cfg, recorder, started, describe(e))) from None
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
-    close(tracking)
+    close(recorder_actor)
     try:
-        raise_if_ended(run_root)  # a worker ended the run with an error no restart cures (a full disk)
+        raise_if_ended(root)  # a worker ended the run with an error no restart cures (a full disk)
     except UserError:
-        logger.finish("FAILED")
+        recorder.finish("FAILED")
         raise
-    logger.finish("FINISHED")
+    recorder.finish("FINISHED")
     return run_id
 
 
-def _record_group_start_failure(logger: RunLogger, e: BaseException) -> None:
-    """A `failure` event for a worker lost while the group started, as `RunRecorder` records the
+def _record_group_start_failure(recorder: RemoteRecorder, e: BaseException) -> None:
+    """A `failure` event for a worker lost while the group started, as `ControllerCallback` records the
     others (Ray Train calls no user callback for a controller error). `source: group_start`: never
     merged into the failure before it (`raytrain_ft.recovery.failures`). Which rank died is not
     known here."""
-    latest = logger.latest_metrics()
+    latest = recorder.latest_metrics()
     cause = f"a worker died while the worker group started ({plain_cause(getattr(e, 'controller_failure', e))})"
-    logger.tags({"last_failure_cause": cause})
-    logger.event(
+    recorder.tags({"last_failure_cause": cause})
+    recorder.event(
         "failure",
         source=GROUP_START,
         causes={GROUP_START: cause},
