@@ -108,7 +108,7 @@ def test_a_replica_killed_between_steps_is_replaced_while_the_other_keeps_traini
     alone = [s for s, ranks in participants.items() if len(ranks) == 1 and s > kill_after]
     assert alone and len(participants[STEPS]) == 2, {s: len(r) for s, r in participants.items()}
     # the LR of every step is the schedule's
-    assert metric_by_step(cfg, run_id, "lr") == uninterrupted_lrs(cfg.train)
+    assert metric_by_step(cfg, run_id, "train/lr") == uninterrupted_lrs(cfg.train)
     # both replicas ended bitwise equal to each other and to the final checkpoint
     zero, one = final_digest(root, 0), final_digest(root, 1)
     assert zero["step"] == one["step"] == STEPS
