@@ -32,12 +32,14 @@ from raytrain_ft.config import load_config
 from raytrain_ft.data.prepare import PrepareSettings, prepare
 from raytrain_ft.local_session import LocalSession
 from raytrain_ft.loop import Trainer, forward_backward
+from raytrain_ft.replicas import Share
 from raytrain_ft.tracking import start_or_resume_run
 from report import default_out, report, scratch
 
 
 def bare_step(t: Trainer) -> None:
-    forward_backward(t.par, t.plan, next(t.batches), 1.0, t.device)
+    passes = t.batches.take(t.position, Share(t.plan, t.rank))  # the position stays: the same batch each call
+    forward_backward(t.par, t.plan, passes, 1.0, t.device)
     t.par.clip_grad_norm_(t.cfg.train.grad_clip)
     t.optimizer.step()
     t.optimizer.zero_grad(set_to_none=True)

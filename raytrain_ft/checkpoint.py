@@ -99,6 +99,21 @@ def cleanup(root: str, committed_step: int) -> list[int]:
     return sorted(removed)
 
 
+def prune(root: str, committed_step: int, keep: int) -> list[int]:
+    """Delete every `step-N` folder older than `committed_step` but the `keep - 1` newest complete
+    ones (so `keep` committed checkpoints remain), incomplete ones included; return their steps.
+    For commits made without Ray Train, whose `CheckpointConfig(num_to_keep)` does this otherwise
+    (replica recovery: `raytrain_ft.launch.worker.ReplicaSession`). Only the committing writer calls
+    it: no other writes an older step."""
+    older = list_step_dirs(root)
+    kept = sorted((s for s, done in older.items() if done and s < committed_step), reverse=True)[: keep - 1]
+    removed = sorted(s for s in older if s < committed_step and s not in kept)
+    for s in removed:
+        fs, base = fsspec.core.url_to_fs(step_path(root, s))
+        fs.rm(base, recursive=True)
+    return removed
+
+
 class _SlowWriter(ChecksummedWriter):
     """Writer that sleeps `delay_s` seconds before writing, after the folder exists (fault injection:
     `kill_during_save`, `slow_save`)."""
@@ -346,15 +361,17 @@ def restore_latest(
     session: Session,
     recorder: Recorder,
     read_delay_s: Callable[[int], float] = lambda step: 0.0,
+    clean: bool = True,
 ) -> tuple[int | None, set[str]]:
-    """Delete uncommitted saves, then load the committed checkpoint (or an older one if corrupt);
+    """Delete uncommitted saves (unless `clean` is False: a live peer may be writing one, under
+    replica recovery), then load the committed checkpoint (or an older one if corrupt);
     `read_delay_s`: `Checkpointer.restore`'s (fault injection).
 
     Returns the step loaded (None on a fresh start) and the state keys the checkpoint held.
     """
     latest = session.latest_checkpoint()
     committed = step_of(latest) if latest else 0
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and clean:
         removed = cleanup(session.run_root, committed)
         if removed:
             log.warning("deleted incomplete or uncommitted checkpoints at steps %s", removed)

@@ -37,6 +37,7 @@ INTERVAL_MODES = ("fixed", "auto")
 STRATEGIES = ("auto", "ddp", "fsdp", "hsdp")
 LR_SCHEDULES = ("cosine", "wsd")  # raytrain_ft.schedule
 GPU_TYPES = ("A100-40GB", "A100-80GB", "H100", "H200")  # the keys of raytrain_ft.hardware.GPUS
+RECOVERY_MODES = ("restart", "replica")  # raytrain_ft.replicas
 
 
 @dataclass
@@ -100,10 +101,25 @@ class CheckpointSection:
 
 @dataclass
 class FailureSection:
+    """How the run survives failures.
+
+    `recovery`:
+
+    * `restart` (default): any failure stops every rank; Ray Train starts the whole group again and
+      every rank reloads the last committed checkpoint from storage.
+    * `replica` (`raytrain_ft.replicas`, needs the `[ft]` extra: torchft): every worker is a replica
+      group holding the full model (DDP-style); when one dies, the others keep training and Ray
+      Train replaces only the dead one, which heals from a live peer's memory, not from storage.
+      Each step's global batch is dealt over the replicas that joined that step's quorum, and the
+      data position advances only when the step commits. Fixed `scaling.num_workers` and the `ddp`
+      strategy only (Ray Train 2.60 runs one worker per replica group); see docs/fault-tolerance.md.
+    """
+
     max_failures: int = 3  # worker-group restarts before the run fails (Ray FailureConfig)
     collective_timeout_s: int = 600  # process-group timeout: a stuck collective becomes an error
     mtbf_hours_per_gpu: float = 10000.0  # MTBF of one GPU (one worker on CPU), hours; for checkpoint.interval=auto
     hang_timeout_s: float = 0.0  # no step for this long: dump stacks, exit, restart; 0 = max(10 x median step, 300 s)
+    recovery: str = "restart"  # restart: a failure restarts every rank / replica: the healthy replicas keep training
 
 
 @dataclass
@@ -315,6 +331,10 @@ def _validate(cfg: Config) -> None:
     for key in ("interval_steps", "num_batches"):
         if getattr(cfg.validation, key) < 0:
             raise ConfigError(f"config key 'validation.{key}' must be >= 0, got {getattr(cfg.validation, key)}")
+    if cfg.failure.recovery not in RECOVERY_MODES:
+        raise ConfigError(
+            f"config key 'failure.recovery' is {cfg.failure.recovery!r}; valid: {', '.join(RECOVERY_MODES)}"
+        )
     if cfg.checkpoint.interval not in INTERVAL_MODES:
         raise ConfigError(
             f"config key 'checkpoint.interval' is {cfg.checkpoint.interval!r}; valid: {', '.join(INTERVAL_MODES)}"

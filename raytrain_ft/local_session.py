@@ -29,6 +29,10 @@ class LocalSession:
         self.run_recorder = MlflowRecorder(tracking_uri, mlflow_run_id)
         self.run_recorder.history = self.run_recorder.load_history()
 
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
     def recorder(self, attempt: bool) -> MlflowRecorder:
         return self.run_recorder
 
@@ -49,11 +53,13 @@ class LocalSession:
     def preemption_pending(self) -> bool:
         return False
 
-    def micro_batches(self, epoch: int, start: int, stop: int, plan: BatchPlan) -> Iterator[dict[str, torch.Tensor]]:
+    def micro_batches(
+        self, epoch: int, start: int, stop: int, plan: BatchPlan, rank: int
+    ) -> Iterator[dict[str, torch.Tensor]]:
         order = EpochOrder(
             self.data_path, self.manifest, self.seed, epoch, plan.global_batch_size, plan.micro_batch_size
         )
-        lanes = plan.lanes(dist.get_rank())
+        lanes = plan.lanes(rank)
         tables = (order.read([p]) for p in order.pieces(lanes, start, stop))
         for mb in order.micro_batches(lanes, start, stop, tables):
             yield {k: torch.from_numpy(v) for k, v in mb.items()}

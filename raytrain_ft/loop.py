@@ -8,7 +8,10 @@ rank's share of the global batch, at any world size (`data.position.BatchPlan`) 
 over its `grad_accum_steps` passes -> clip (global grad norm) -> spike guard (all ranks agree) ->
 wait for the checkpoint snapshot -> optimizer step or skip -> LR scheduler -> advance the data
 position -> held-out validation at its interval (`validation`) -> rank check and replica fingerprint
-at their intervals -> roll back after persistent spikes, else commit/save.
+at their intervals -> roll back after persistent spikes, else commit/save. Who trains a step, the
+split, the gradient reduction across replicas and whether the step counts are the step members'
+(`replicas`: the whole group under restart recovery, a torchft quorum of replicas under replica
+recovery); the loop calls them the same way in both modes.
 
 What the loop records goes to a `Recorder` (`raytrain_ft.recorder`: rank 0's records, the other
 ranks' is a `NullRecorder`); nothing is read back from it. What it decides with comes from the
@@ -49,6 +52,7 @@ from raytrain_ft.model import lm_loss
 from raytrain_ft.parallel import Parallel, build
 from raytrain_ft.recorder import NullRecorder
 from raytrain_ft.recovery import RunHistory
+from raytrain_ft.replicas import Share, first_share, step_members
 from raytrain_ft.run_folder import complete_steps, end_run, step_path
 from raytrain_ft.schedule import lr_schedule
 from raytrain_ft.session import Session
@@ -98,7 +102,7 @@ def step_batches(
     epoch, start = position.epoch, position.consumed // plan.global_batch_size
     lanes = len(plan.lanes(rank))
     while True:
-        micro = session.micro_batches(epoch, start, steps_per_epoch, plan)
+        micro = session.micro_batches(epoch, start, steps_per_epoch, plan, rank)
         for _ in range(steps_per_epoch - start):
             yield plan.passes(rank, [next(micro) for _ in range(lanes)])
         epoch, start = epoch + 1, 0
@@ -116,6 +120,34 @@ def started(batches: Iterator[list]) -> Iterator[list]:
         yield from batches
 
     return chained()
+
+
+class Batches:
+    """This rank's passes of each step (`take`), read ahead from one stream while the steps follow
+    each other; read again from the data position when a step is not the one the stream is at: the
+    split changed (a replica quorum of another size), the position moved (a restore of an older
+    checkpoint, a rollback, a heal), or a step did not commit (`Replicas.commit`: the same passes
+    are returned again)."""
+
+    def __init__(self, session: Session, steps_per_epoch: int, position: DataPosition, share: Share):
+        self.session, self.steps_per_epoch = session, steps_per_epoch
+        self.stream = started(step_batches(session, position, share.plan, share.rank, steps_per_epoch))
+        self.next_key: tuple = (position.epoch, position.consumed, share)
+        self.last_key: tuple | None = None
+        self.last: list = []
+
+    def take(self, position: DataPosition, share: Share) -> list:
+        """The passes of the step at `position` for `share` (`BatchPlan.passes`)."""
+        key = (position.epoch, position.consumed, share)
+        if key == self.last_key:
+            return self.last
+        if key != self.next_key:
+            self.stream = step_batches(self.session, position, share.plan, share.rank, self.steps_per_epoch)
+        self.last, self.last_key = next(self.stream), key
+        after = DataPosition(position.epoch, position.consumed)
+        after.advance(share.plan.global_batch_size, self.steps_per_epoch)
+        self.next_key = (after.epoch, after.consumed, share)
+        return self.last
 
 
 def forward_backward(par: Parallel, plan: BatchPlan, passes: list[dict], loss_factor: float, device) -> float:
@@ -161,6 +193,7 @@ def train(cfg: Config, session: Session) -> None:
         return
     trainer.watchdog.stop()  # the final write may take longer than a step
     trainer.finish()
+    trainer.members.finish(session.run_root)
 
 
 class Trainer:
@@ -172,16 +205,18 @@ class Trainer:
         self.init_started_at = time.time()  # restore time (goodput) counts from here
         self.cfg, self.session = cfg, session
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.recorder = session.recorder(attempt=True) if self.rank == 0 else NullRecorder()  # rank 0 records
+        # rank 0 records (under replica recovery every replica is rank 0 of its own group: replica 0 records)
+        self.recorder = session.recorder(attempt=True) if session.rank == 0 else NullRecorder()
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.manifest = load_manifest(cfg.data.path)
         check_data_fits(cfg, self.manifest)
         self.plan = BatchPlan(cfg.train.global_batch_size, cfg.train.micro_batch_size, self.world_size)
         self.steps_per_epoch = steps_per_epoch(self.manifest, self.plan.global_batch_size, self.plan.micro_batch_size)
-        latest, self.batches_from = session.latest_checkpoint(), DataPosition()
-        peek(latest, {KEY_DATA: Pickled(self.batches_from)})  # read alone from the checkpoint: the data starts now
-        self.batches = started(step_batches(session, self.batches_from, self.plan, self.rank, self.steps_per_epoch))
+        latest, batches_from = session.latest_checkpoint(), DataPosition()
+        peek(latest, {KEY_DATA: Pickled(batches_from)})  # read alone from the checkpoint: the data starts now
+        share = first_share(cfg, self.plan, self.rank, session.rank)
+        self.batches = Batches(session, self.steps_per_epoch, batches_from, share)
 
         shape = self.manifest.vocab_size, self.manifest.seq_len
         self.par, self.optimizer = build(cfg, *shape, self.device, resuming=latest is not None)
@@ -211,7 +246,9 @@ class Trainer:
         self.validation = Validation(
             cfg.validation, cfg.data.path, self.manifest, self.plan, self.rank, self.par, self.group, self.device
         )
-        self.audit = DataAudit(session.run_root, self.group, cfg.data.audit, self.plan.max_share)
+        self.audit = DataAudit(
+            session.run_root, lambda ids: self.members.gather(ids), cfg.data.audit, self.plan.max_share
+        )
         self.faults = FaultInjector(
             cfg.faults, self.rank, session.run_root, self.settle, lambda: self.par.local_parameters()[0]
         )
@@ -243,14 +280,18 @@ class Trainer:
         auto checkpoint interval. Reads the run's past from `Session.history` only."""
         cfg, session = self.cfg, self.session
         history = session.history()  # every rank before the (collective) restore: before rank 0 adds to it
+        # replica recovery: a replacement must not delete the save a live replica is writing
+        clean = cfg.failure.recovery == "restart"
         resumed_from, loaded = restore_latest(
-            self.checkpointer, self.state, session, self.recorder, self.faults.restore_delay_s
+            self.checkpointer, self.state, session, self.recorder, self.faults.restore_delay_s, clean
         )
         if rng_key(self.rank) not in loaded:  # fresh start, or a rank added by an elastic resize
             seed_rngs(cfg.train.seed + self.progress.step, self.rank)
         self.watchdog.beat(step_done=False)  # restoring a large checkpoint is neither a hang nor a step
-        if self.position != self.batches_from:  # the committed checkpoint did not load: an older one did
-            self.batches = step_batches(session, self.position, self.plan, self.rank, self.steps_per_epoch)
+        share = Share(self.plan, self.rank)
+        self.members = step_members(
+            cfg, share, self.group, self.state, self.progress.step, session.rank, {"audit": self.audit}
+        )
         self.done = self.progress.step >= cfg.train.max_steps  # a finished run submitted again
         self.start_attempt(history, resumed_from or 0, KEY_GOODPUT in loaded)
         if cfg.checkpoint.interval == "auto":
@@ -327,13 +368,20 @@ class Trainer:
             self.recorder.refresh_loss_plot(wait=True)
 
     def step(self) -> None:
-        """One optimizer step on every rank (collectives: all ranks call it together)."""
+        """One optimizer step on every rank (collectives: all ranks call it together). Under replica
+        recovery a step that does not commit returns early, its data position unchanged: the next
+        call trains the same sequences again (`raytrain_ft.replicas`)."""
+        share = self.members.begin()  # who trains this step; a replica behind its peers heals here
         step = self.progress.step + 1
         self.hooks.before_step(step)
-        passes = next(self.batches)
+        passes = self.batches.take(self.position, share)
         self.hooks.after_batch(step, passes)
-        weighted = forward_backward(self.par, self.plan, passes, self.faults.loss_factor(step), self.device)
-        local_loss = rank_mean_loss(self.plan, self.rank, weighted)  # what the rank check compares
+        weighted = forward_backward(self.par, share.plan, passes, self.faults.loss_factor(step), self.device)
+        local_loss = rank_mean_loss(share.plan, share.rank, weighted)  # what the rank check compares
+        weighted = self.members.reduce(self.par, weighted)  # replicas: their gradients averaged, losses summed
+        if not self.members.commit():
+            self.optimizer.zero_grad(set_to_none=True)
+            return
         grad_norm = self.par.clip_grad_norm_(self.cfg.train.grad_clip)
         skip, median = self.guard.decide(grad_norm)
         totals = torch.tensor([weighted, float(skip)], dtype=torch.float64)
@@ -348,7 +396,7 @@ class Trainer:
         self.progress.step = step
         self.position.advance(self.plan.global_batch_size, self.steps_per_epoch)
         val = self.validation.maybe_run(step)  # every rank (collectives); empty when not due
-        loss, stall_s = totals[0].item() / self.world_size, self.checkpointer.take_stall_s()
+        loss, stall_s = totals[0].item() / share.plan.world_size, self.checkpointer.take_stall_s()
         self.hooks.after_optimizer_step(
             StepResult(step, loss, grad_norm, skip, median, stall_s, val.metrics, val.seconds)
         )
@@ -366,7 +414,7 @@ class Trainer:
         self.save_due |= self.schedule.due(step) and not (self.schedule.auto and self.checkpointer.pending)
         final = step == self.cfg.train.max_steps
         if (self.save_due and self.guard.consecutive == 0) or final:
-            if self.checks.check_replicas(step) or final:
+            if self.members.saves and (self.checks.check_replicas(step) or final):
                 self.checkpointer.save(step, self.state, write_delay_s=self.faults.save_delay_s(step))
                 self.faults.after_save_started(step)
             self.schedule.saved(step)  # after a failed replica check too: the next try is an interval later
@@ -422,7 +470,6 @@ class Trainer:
         }
         self.rollbacks.rollbacks.append(record)
         self.schedule.saved(self.progress.step)
-        self.batches = step_batches(self.session, self.position, self.plan, self.rank, self.steps_per_epoch)
         log.warning(
             "rank %d: rolled back from step %d to %d, skipping %d global batches",
             self.rank,

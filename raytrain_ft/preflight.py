@@ -6,6 +6,7 @@ each). It never builds a model's weights and never starts Ray: the config's keys
 checked by `raytrain_ft.config.load_config` before it is called; here come
 
 - the batch split at every world size of `scaling.num_workers` (`BatchPlan`) and the HSDP mesh;
+- that `failure.recovery: replica` has what it needs (fixed workers, ddp, torchft);
 - the dataset's manifest (when `data.path` is reachable) against `train.seq_len`, the batch and
   the model preset;
 - the memory plan on the configured `scaling.gpu_type` (GPU runs);
@@ -21,6 +22,7 @@ checked by `raytrain_ft.config.load_config` before it is called; here come
 from __future__ import annotations
 
 import http.client
+import importlib.util
 import os
 import socket
 import urllib.request
@@ -44,6 +46,7 @@ from raytrain_ft.run_folder import (
     complete_steps,
     has_run_state,
     read_extensions,
+    read_latest,
     run_root,
     step_path,
 )
@@ -73,6 +76,7 @@ def problems(cfg: Config, cluster: dict[str, float] | None = None) -> list[UserE
     lo, hi = cfg.worker_range
     check(lambda: check_world_sizes(cfg.train.global_batch_size, cfg.train.micro_batch_size, range(lo, hi + 1)))
     check(lambda: check_meshes(cfg))
+    check(lambda: check_recovery(cfg))
     manifest: list[Manifest] = []
     if check(lambda: manifest.append(load_manifest(cfg.data.path))):
         m = manifest[0]
@@ -96,6 +100,32 @@ def check_meshes(cfg: Config) -> None:
     strategy = resolve_strategy(cfg.parallel, cfg.scaling.use_gpu)
     for world_size in range(lo, hi + 1):
         mesh_shape(strategy, world_size, cfg.parallel.shard_size or min(cfg.scaling.gpus_per_node, world_size))
+
+
+def check_recovery(cfg: Config) -> None:
+    """`failure.recovery: replica` needs what Ray Train 2.60's replica groups give: one worker per
+    replica, each holding the full model, a fixed number of them; and torchft installed.
+
+    Raises:
+        ConfigError: an elastic `scaling.num_workers` range, a sharded strategy (fsdp, hsdp; also
+            `auto` on GPUs), or torchft missing; one line each, with the fix.
+    """
+    if cfg.failure.recovery != "replica":
+        return
+    lo, hi = cfg.worker_range
+    if lo != hi:
+        raise ConfigError(
+            f"failure.recovery=replica needs a fixed scaling.num_workers, got {cfg.scaling.num_workers}: Ray Train "
+            "falls back to a full restart on an elastic resize; set scaling.num_workers to one number"
+        )
+    strategy = resolve_strategy(cfg.parallel, cfg.scaling.use_gpu)
+    if strategy != "ddp":
+        raise ConfigError(
+            f"failure.recovery=replica needs parallel.strategy=ddp, got {strategy} (from {cfg.parallel.strategy}): "
+            "Ray Train 2.60 runs one worker per replica group, so every replica holds the full model"
+        )
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError("failure.recovery=replica needs torchft: pip install -e '.[ft]'")
 
 
 def check_writable(storage_path: str) -> None:
@@ -181,7 +211,8 @@ def check_run_state(run_root: str) -> None:
         CheckpointError: with the steps found and how to resume or start over.
     """
     complete = complete_steps(run_root)
-    if complete and not has_run_state(run_root):
+    # replica recovery commits in `latest_checkpoint` instead (`raytrain_ft.launch.worker.ReplicaSession`)
+    if complete and not has_run_state(run_root) and read_latest(run_root) is None:
         raise CheckpointError(
             f"{run_root} holds complete checkpoints (steps {', '.join(map(str, complete))}) but no {RAY_RUN_STATE}, "
             "Ray Train's record of which one is committed; restore that file to resume, or move the step-* "

@@ -20,6 +20,7 @@ from raytrain_ft.recovery import RunHistory
 class Session(Protocol):
     run_root: str  # the run's folder (local path or fsspec URL): checkpoints, fault markers, run id
     mlflow_run_id: str  # the run's MLflow run (recorded in each checkpoint)
+    rank: int  # this worker's rank in the run (the process group's rank; under replica recovery, the replica's)
 
     def recorder(self, attempt: bool) -> Recorder:
         """The run's recorder (`raytrain_ft.recorder`). `attempt=True` (rank 0, once per attempt):
@@ -43,8 +44,12 @@ class Session(Protocol):
     def preemption_pending(self) -> bool:
         """True once a node of this run is about to be preempted (same answer on every rank)."""
 
-    def micro_batches(self, epoch: int, start: int, stop: int, plan: BatchPlan) -> Iterator[dict[str, torch.Tensor]]:
-        """This rank's micro-batches for steps [start, stop) of `epoch` (`plan.lanes(rank)` of each step), in order.
+    def micro_batches(
+        self, epoch: int, start: int, stop: int, plan: BatchPlan, rank: int
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """The micro-batches of `rank` of `plan` for steps [start, stop) of `epoch` (`plan.lanes(rank)`
+        of each step), in order. `rank` is this worker's place in the step's split: its process-group
+        rank, or under replica recovery its rank in the step's quorum (not `self.rank`).
 
         Each item: `tokens` int64 (micro_batch_size, seq_len + 1), `sample_id` int64 (micro_batch_size,).
         """

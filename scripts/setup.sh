@@ -9,4 +9,4 @@ PYTHON=${PYTHON:-python3}
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   .venv/bin/python -m pip install -q "torch==2.13.0" || .venv/bin/python -m pip install -q "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
 fi
-.venv/bin/python -m pip install -q -e ".[dev]"
+.venv/bin/python -m pip install -q -e ".[dev,ft]"  # ft: torchft, for failure.recovery=replica

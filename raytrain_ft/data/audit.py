@@ -1,7 +1,8 @@
 """Data audit (`data.audit: true`): which sample ids every rank consumed at every step.
 
-Rank 0 gathers each step's ids (an `all_gather` of a fixed-size int64 tensor on a CPU gloo group)
-and buffers them; at every checkpoint commit the buffer is written to
+Rank 0 gathers each step's ids (`raytrain_ft.replicas`' `gather`: an `all_gather` of a fixed-size
+int64 tensor on a CPU gloo group, or, under replica recovery, over the step's replicas, each of which
+buffers them as its group's rank 0) and buffers them; at every checkpoint commit the buffer is written to
 `<run folder>/audit/<time_ns>-<first step>-<last step>.parquet` (columns `step`, `rank`,
 `sample_id`). Steps trained after the last commit of a failed attempt are never written: their
 work was rolled back. A step written by several attempts (after a fallback from a corrupt
@@ -12,6 +13,7 @@ checkpoint) is read from the latest file: `read_audit` returns the lineage of th
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import fsspec
 import numpy as np
@@ -30,22 +32,25 @@ PAD = -1  # no sample (sample ids are >= 0)
 class DataAudit(StepHook):
     """One rank's side of the audit; a no-op object when disabled."""
 
-    def __init__(self, run_root: str, group: dist.ProcessGroup, enabled: bool, width: int):
-        """`width`: the most sample ids a rank trains per step (`BatchPlan.max_share`)."""
-        self.run_root, self.group, self.enabled, self.width = run_root.rstrip("/"), group, enabled, width
+    def __init__(self, run_root: str, gather: Callable[[torch.Tensor], torch.Tensor], enabled: bool, width: int):
+        """`gather`: (width,) int64 of this rank -> (ranks of the step, width) of every rank that trains
+        the step (`raytrain_ft.replicas`: the whole group, or a step's replicas); `width`: the most
+        sample ids a rank trains per step (`BatchPlan.max_share`)."""
+        self.run_root, self.gather, self.enabled, self.width = run_root.rstrip("/"), gather, enabled, width
         self.rows: list[tuple[int, np.ndarray]] = []  # (step, ids of shape (world_size, width), PAD where shorter)
 
     def record(self, step: int, sample_ids: torch.Tensor) -> None:
         """Gather this step's ids from every rank (collective; `sample_ids` int64, at most `width` of them:
-        shorter shares of an uneven split are padded to `width` for the fixed-size all_gather)."""
+        shorter shares of an uneven split are padded to `width` for the fixed-size gather). A step
+        recorded again (one that did not commit, trained again) replaces the earlier record."""
         if not self.enabled:
             return
         ids = torch.full((self.width,), PAD, dtype=torch.int64)
         ids[: len(sample_ids)] = sample_ids.to("cpu", torch.int64)
-        gathered = [torch.empty_like(ids) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(gathered, ids, group=self.group)
+        gathered = self.gather(ids)
         if dist.get_rank() == 0:
-            self.rows.append((step, torch.stack(gathered).numpy()))
+            self.discard_after(step - 1)
+            self.rows.append((step, gathered.numpy()))
 
     def after_batch(self, step: int, micro_batches: list[dict]) -> None:
         """Record the `sample_id`s of this rank's micro-batches (collective)."""
@@ -54,6 +59,19 @@ class DataAudit(StepHook):
     def discard_after(self, step: int) -> None:
         """Drop buffered steps after `step` (their work was rolled back)."""
         self.rows = [(s, ids) for s, ids in self.rows if s <= step]
+
+    def state_dict(self) -> dict:
+        """The buffered (not yet written) steps: `steps` (n,) int64 and `ids`, n int64 tensors of
+        shape (ranks of the step, width). Not checkpointed: a replica that heals under replica
+        recovery takes its peer's (`raytrain_ft.replicas`), so the steps trained before it joined
+        are written by whichever replica commits the next checkpoint."""
+        return {
+            "steps": torch.tensor([s for s, _ in self.rows], dtype=torch.int64),
+            "ids": [torch.from_numpy(ids) for _, ids in self.rows],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rows = [(int(s), ids.numpy()) for s, ids in zip(state["steps"], state["ids"], strict=True)]
 
     def flush(self) -> None:
         """Write the buffered steps (rank 0; called when a checkpoint commits)."""

@@ -20,6 +20,7 @@ from raytrain_ft.launch.tracking_server import lasting_path, tracking_store
 from raytrain_ft.launch.worker import train_func
 from raytrain_ft.preflight import newest_checkpoint, problems
 from raytrain_ft.recovery import GROUP_START, failures, root_first, who
+from raytrain_ft.replicas import LIGHTHOUSE
 from raytrain_ft.run_folder import raise_if_ended, record_extension, run_root, step_of
 from raytrain_ft.schedule import extension_refusal
 from raytrain_ft.tracking import MlflowRecorder, flatten, resolve_uri, start_or_resume_run
@@ -160,9 +161,7 @@ def _torch_trainer(cfg: Config, recorder_actor, run_id: str, run_root: str, max_
             resources_per_worker={"CPU": cfg.scaling.cpus_per_worker, **({"GPU": 1} if cfg.scaling.use_gpu else {})},
             elastic_resize_monitor_interval_s=cfg.scaling.resize_check_interval_s,
         ),
-        torch_config=TorchConfig(
-            backend="nccl" if cfg.scaling.use_gpu else "gloo", timeout_s=cfg.failure.collective_timeout_s
-        ),
+        torch_config=torch_config(cfg),
         run_config=RunConfig(
             name=cfg.run.name,
             storage_path=cfg.run.storage_path,
@@ -171,6 +170,17 @@ def _torch_trainer(cfg: Config, recorder_actor, run_id: str, run_root: str, max_
             callbacks=[CommitAcknowledger(run_root), FailureRecorder(recorder_actor)],  # type: ignore[list-item]
         ),
     )
+
+
+def torch_config(cfg: Config) -> TorchConfig:
+    """Ray Train's torch backend: one process group of every worker, or under `failure.recovery:
+    replica` one per replica group (one worker each) and a torchft lighthouse (`raytrain_ft.replicas`)."""
+    backend, timeout_s = "nccl" if cfg.scaling.use_gpu else "gloo", cfg.failure.collective_timeout_s
+    if cfg.failure.recovery == "replica":
+        from ray.train.v2.torch.torchft_config import TorchftConfig
+
+        return TorchftConfig(lighthouse_kwargs=LIGHTHOUSE, backend=backend, timeout_s=timeout_s)
+    return TorchConfig(backend=backend, timeout_s=timeout_s)
 
 
 def failed_during_group_start(e: BaseException) -> bool:

@@ -11,13 +11,14 @@ import torch
 from ray.train import Checkpoint, CheckpointUploadMode
 
 from raytrain_ft import loop
+from raytrain_ft.checkpoint import prune
 from raytrain_ft.config import from_dict
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.launch.datasource import rank_micro_batches
 from raytrain_ft.launch.recorder_actor import WAIT_TIMEOUT_S, RemoteRecorder
 from raytrain_ft.recovery import RunHistory
-from raytrain_ft.run_folder import read_commit_ack, write_worker_record
+from raytrain_ft.run_folder import read_commit_ack, read_latest, step_of, write_latest, write_worker_record
 
 log = logging.getLogger(__name__)
 FLUSH_TIMEOUT_S = 60
@@ -81,12 +82,48 @@ class RaySession:
         # A collective in Ray Train (rank 0's view is broadcast): the loop calls it on every rank each step.
         return ray.train.get_preemption_info() is not None
 
-    def micro_batches(self, epoch: int, start: int, stop: int, plan: BatchPlan) -> Iterator[dict[str, torch.Tensor]]:
-        return rank_micro_batches(self.data_path, self.manifest, self.seed, epoch, start, stop, plan, self.rank)
+    def micro_batches(
+        self, epoch: int, start: int, stop: int, plan: BatchPlan, rank: int
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        return rank_micro_batches(self.data_path, self.manifest, self.seed, epoch, start, stop, plan, rank)
+
+
+class ReplicaSession(RaySession):
+    """`Session` of one replica under `failure.recovery: replica` (`raytrain_ft.replicas`): nothing
+    here waits on another Ray Train worker. `ray.train.report` and `get_preemption_info` are
+    barriers over every worker, and a survivor blocked in one while its replacement waits in the
+    torchft quorum deadlocks. So the replica that wrote a checkpoint (the step's participant of rank
+    0, alone) commits it in `<run folder>/latest_checkpoint` (`run_folder.write_latest`:
+    renamed into place whole) and prunes older ones to `checkpoint.num_to_keep` (`checkpoint.prune`);
+    a restart of every replica resumes from it (Ray Train's `get_checkpoint()` holds none in this
+    mode). Preemption notices are not read."""
+
+    def __init__(self, cfg, recorder_actor: ray.actor.ActorHandle, mlflow_run_id: str):
+        super().__init__(cfg.data.path, cfg.train.seed, recorder_actor, mlflow_run_id)
+        self.keep = cfg.checkpoint.num_to_keep
+
+    def latest_checkpoint(self) -> str | None:
+        return read_latest(self.run_root)
+
+    def commit(self, step: int, path: str, metrics: dict[str, float]) -> None:
+        current = read_latest(self.run_root)
+        if current is not None and step_of(current) >= step:  # another replica committed a newer one meanwhile
+            return
+        write_latest(self.run_root, path)
+        prune(self.run_root, step, self.keep)
+
+    def flush(self) -> None:
+        pass  # `commit` is done when it returns
+
+    def preemption_pending(self) -> bool:
+        return False
 
 
 def train_func(args: dict) -> None:
     """`train_loop_per_worker` of the `TorchTrainer` (args: config dict, `RecorderActor`, MLflow run id)."""
     cfg = from_dict(args["config"])
-    session = RaySession(cfg.data.path, cfg.train.seed, args["recorder_actor"], args["mlflow_run_id"])
+    if cfg.failure.recovery == "replica":
+        session: RaySession = ReplicaSession(cfg, args["recorder_actor"], args["mlflow_run_id"])
+    else:
+        session = RaySession(cfg.data.path, cfg.train.seed, args["recorder_actor"], args["mlflow_run_id"])
     loop.train(cfg, session)

@@ -86,3 +86,10 @@ def test_yaml_syntax_error_and_wrong_shape_are_one_line_errors(tmp_path):
 def test_spike_warmup_longer_than_window_is_refused():
     with pytest.raises(ConfigError, match="1 <= warmup <= window"):
         load_config(None, ["guards.spike.window=50"])
+
+
+def test_failure_recovery_defaults_to_restart_and_refuses_unknown_modes():
+    assert load_config(None, []).failure.recovery == "restart"
+    assert load_config(None, ["failure.recovery=replica"]).failure.recovery == "replica"
+    with pytest.raises(ConfigError, match=r"^config key 'failure\.recovery' is 'replicas'; valid: restart, replica$"):
+        load_config(None, ["failure.recovery=replicas"])

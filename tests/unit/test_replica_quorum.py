@@ -1,0 +1,195 @@
+"""`replicas.Replicas` against a real torchft lighthouse and Managers in this process (no Ray): the
+step's share comes from the quorum, the gradient and loss reductions, the audit's gather, the
+commit, the final digest record, and a replica that joins late healing from its peer's memory. The
+Ray Train run with a SIGKILL: tests/test_replicas.py."""
+
+import json
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from raytrain_ft.config import load_config
+from raytrain_ft.data.audit import DataAudit
+from raytrain_ft.data.position import BatchPlan, DataPosition
+from raytrain_ft.parallel import Parallel
+from raytrain_ft.replicas import Replicas, Share, flat_optimizer_state, state_digest
+from raytrain_ft.train_state import (
+    KEY_DATA,
+    KEY_MODEL,
+    KEY_OPTIM,
+    KEY_PROGRESS,
+    ModelState,
+    OptimizerState,
+    Pickled,
+    Progress,
+    TrainState,
+)
+
+torchft = pytest.importorskip("torchft")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def lighthouse(monkeypatch):
+    """A lighthouse; `replica_store()` points the next Manager at a replica group store of its own
+    (the Manager reads the store and lighthouse addresses from the environment when built)."""
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", server.address())
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    stores = []
+
+    def replica_store() -> None:
+        port = free_port()
+        stores.append(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False))
+        monkeypatch.setenv("MASTER_PORT", str(port))
+
+    replica_store()
+    yield replica_store
+    server.shutdown()
+
+
+def test_one_replica_trains_the_whole_batch_and_commits(lighthouse, tmp_path):
+    cfg = load_config(None, ["failure.recovery=replica", "scaling.num_workers=1", "train.global_batch_size=8"])
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    state = TrainState(0)
+    state.add(KEY_MODEL, ModelState(model))
+    state.add(KEY_OPTIM, OptimizerState(model, optimizer))
+    replicas = Replicas(cfg, state, replica_index=0, step=5, heal_only={})
+
+    share = replicas.begin()
+    assert share == Share(BatchPlan(8, cfg.train.micro_batch_size, 1), 0)
+    assert replicas.saves
+    model(torch.ones(4, 3)).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    par = Parallel("ddp", model, model, 1, 1, 0, False)
+    assert replicas.reduce(par, 2.5) == 2.5  # the sum over one participant
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+    ids = torch.tensor([4, 9, -1])
+    assert torch.equal(replicas.gather(ids), ids[None])
+    assert replicas.commit()
+    optimizer.step()
+    assert replicas.manager.current_step() == 6  # the Manager counts on from the restored step
+
+    replicas.finish(str(tmp_path))
+    record = json.loads((tmp_path / "workers" / "replica0.final.json").read_text())
+    expected = state_digest({**model.state_dict(), **flat_optimizer_state(state)})
+    assert record == {"step": 6, "digest": expected}
+    assert any(k.startswith("optim.state.weight.") for k in record["digest"])
+
+
+class Replica:
+    """A replica's model, optimizer and progress, and the loop's step reduced to its replica calls."""
+
+    def __init__(self, cfg, index: int, data: torch.Tensor):
+        torch.manual_seed(0)  # every replica initialises the same weights
+        self.model = torch.nn.Linear(3, 1)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.1)
+        self.progress, self.position, self.data = Progress(), DataPosition(), data
+        self.state = TrainState(0)
+        self.state.add(KEY_MODEL, ModelState(self.model))
+        self.state.add(KEY_OPTIM, OptimizerState(self.model, self.optimizer))
+        self.state.add(KEY_PROGRESS, Pickled(self.progress))
+        self.state.add(KEY_DATA, Pickled(self.position))
+        self.audit = DataAudit("unused", lambda ids: self.replicas.gather(ids), enabled=True, width=4)
+        self.replicas = Replicas(cfg, self.state, index, step=0, heal_only={"audit": self.audit})
+        self.par = Parallel("ddp", self.model, self.model, 1, 1, 0, False)
+        self.participants: list[int] = []
+
+    def step(self) -> None:
+        share = self.replicas.begin()
+        g = share.plan.global_batch_size
+        lo, hi = share.plan.span(share.rank)
+        batch = self.data[self.position.consumed : self.position.consumed + g][lo:hi]
+        self.audit.record(
+            self.progress.step + 1, torch.arange(self.position.consumed, self.position.consumed + g)[lo:hi]
+        )
+        (self.model(batch).pow(2).sum() / g * share.plan.world_size).backward()  # pass weight n x P / G
+        self.replicas.reduce(self.par, 0.0)
+        if self.replicas.commit():
+            self.optimizer.step()
+            self.progress.step += 1
+            self.position.advance(g, steps_per_epoch=100)
+            self.participants.append(share.plan.world_size)
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def test_a_replica_that_joins_late_heals_from_its_peer_and_both_stay_bitwise_equal(lighthouse, process_group):
+    cfg = load_config(None, ["failure.recovery=replica", "train.global_batch_size=4", "train.micro_batch_size=1"])
+    data = torch.randn(40, 3)
+    a = Replica(cfg, 0, data)
+    for _ in range(3):  # alone: the whole global batch of 4 each step
+        a.step()
+    lighthouse()
+    b = Replica(cfg, 1, data)  # a replacement: fresh state, step 0
+    with ThreadPoolExecutor(2) as pool:  # a may train alone on until b's first quorum
+        for f in [
+            pool.submit(lambda r=r: [r.step() for _ in iter(lambda: r.progress.step < 7, False)]) for r in (a, b)
+        ]:
+            f.result()
+    joint = len(b.participants)  # b healed at a's step (7 - joint) and trained every step after it with a
+    assert joint >= 1 and b.participants == [2] * joint and a.participants == [1] * (7 - joint) + [2] * joint
+    assert b.replicas.manager.current_step() == 7
+    assert a.position == b.position == DataPosition(0, 28)  # healed, then advanced only by commits
+    # b holds the audit of the steps a trained before b joined, so whichever commits next writes them
+    assert [s for s, _ in b.audit.rows] == [s for s, _ in a.audit.rows] == list(range(1, 8))
+    assert all((x == y).all() for (_, x), (_, y) in zip(a.audit.rows, b.audit.rows, strict=True))
+    for key in (KEY_MODEL, KEY_OPTIM):  # bitwise equal weights and AdamW state
+        ours, theirs = dict(flat(a.state, key)), dict(flat(b.state, key))
+        assert ours and ours.keys() == theirs.keys(), key
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), key
+    assert not torch.equal(a.model.weight, Replica(cfg, 2, data).model.weight)  # it trained
+    for r in (a, b):
+        r.replicas.manager.shutdown(wait=False)
+
+
+def flat(state: TrainState, key: str):
+    return flat_optimizer_state(state).items() if key == KEY_OPTIM else state.components[key].state_dict().items()
+
+
+def test_a_step_whose_peer_dies_in_the_all_reduce_does_not_commit_and_is_trained_again(lighthouse, process_group):
+    cfg = load_config(None, ["failure.recovery=replica", "train.global_batch_size=4", "train.micro_batch_size=1"])
+    data = torch.randn(40, 3)
+    a = Replica(cfg, 0, data)
+    lighthouse()
+    b = Replica(cfg, 1, data)
+    with ThreadPoolExecutor(2) as pool:  # both in the quorum
+        for f in [
+            pool.submit(lambda r=r: [r.step() for _ in iter(lambda: r.progress.step < 2, False)]) for r in (a, b)
+        ]:
+            f.result()
+    assert b.participants[-1] == 2 and a.participants[-1] == 2
+
+    def b_dies() -> None:  # b joins the next quorum, then its process group and manager go away
+        b.replicas.begin()
+        b.replicas.manager._pg.abort()
+        b.replicas.manager.shutdown(wait=False)
+
+    def a_trains() -> list[bool]:
+        a.replicas.begin()
+        g = a.replicas.share.plan.global_batch_size
+        (a.model(data[a.position.consumed : a.position.consumed + g]).sum()).backward()
+        a.replicas.reduce(a.par, 0.0)
+        committed = a.replicas.commit()
+        a.optimizer.zero_grad(set_to_none=True)
+        return committed
+
+    with ThreadPoolExecutor(2) as pool:
+        dying, training = pool.submit(b_dies), pool.submit(a_trains)
+        dying.result()
+        assert training.result() is False  # the all-reduce failed: the step does not count
+    before = (a.progress.step, DataPosition(a.position.epoch, a.position.consumed))
+    a.step()  # the same step again, alone, from the same data position
+    assert a.participants[-1] == 1 and a.progress.step == before[0] + 1
+    assert a.position == DataPosition(0, before[1].consumed + 4)
+    a.replicas.manager.shutdown(wait=False)
