@@ -13,7 +13,9 @@ import glob
 import json
 import os
 import pickle
+import shutil
 import sysconfig
+import tempfile
 
 import pytest
 import ray
@@ -75,14 +77,30 @@ def process_group(tmp_path):
     dist.destroy_process_group()
 
 
+_EMPTY_STORE = os.path.join(tempfile.mkdtemp(prefix="mlflow-empty-"), "mlflow.db")
+
+
+def sqlite_store(folder) -> str:
+    """`sqlite:///<folder>/mlflow.db`, created as a copy of one empty store that MLflow made (its
+    schema migrations cost ~2 s per new SQLite file: once per test session instead of once per run).
+    An existing file is left as it is (a resubmission logs into the same store)."""
+    path = os.path.join(str(folder), "mlflow.db")
+    if not os.path.exists(_EMPTY_STORE):
+        MlflowClient(f"sqlite:///{_EMPTY_STORE}").search_experiments()
+    if not os.path.exists(path):
+        os.makedirs(str(folder), exist_ok=True)
+        shutil.copyfile(_EMPTY_STORE, path)
+    return f"sqlite:///{path}"
+
+
 def make_config(tmp_path, dataset: str, *overrides: str):
-    """The tiny test config with its run, data and MLflow store inside `tmp_path`."""
+    """The tiny test config with its run, data and MLflow store (`sqlite_store`) inside `tmp_path`."""
     return load_config(
         os.path.join(REPO, "configs", "tiny.yaml"),
         [
             f"data.path={dataset}",
             f"run.storage_path={tmp_path / 'runs'}",
-            f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            f"tracking.uri={sqlite_store(tmp_path)}",
             *overrides,
         ],
     )

@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import COMMITTED, REPO, assert_resumed, events, make_config
+from conftest import COMMITTED, REPO, assert_resumed, events, make_config, sqlite_store
 from raytrain_ft.errors import ConfigError
 from raytrain_ft.launch.driver import preflight
 
@@ -28,7 +28,7 @@ def run_args(tmp_path, dataset, *extra):
     return [
         f"data.path={dataset}",
         f"run.storage_path={tmp_path / 'runs'}",
-        f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        f"tracking.uri={sqlite_store(tmp_path)}",
         *extra,
     ]
 
