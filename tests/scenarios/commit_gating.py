@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from raytrain_ft.checkpoint import Checkpointer, restore_latest
+from raytrain_ft.recorder import NullRecorder
 from raytrain_ft.train_state import KEY_META, KEY_MODEL, ModelState, RunMeta, TrainState
 
 WORLD_SIZE = 2
@@ -111,7 +112,7 @@ def worker(rank: int, store: str, out: str) -> None:
     dist.barrier()
 
     restored = make_state(rank, seed=100)  # a restarted rank: other weights until the load
-    loaded, _ = restore_latest(Checkpointer(root, commit), restored, FileSession(root), logger=None)
+    loaded, _ = restore_latest(Checkpointer(root, commit), restored, FileSession(root), NullRecorder())
     result = {
         "first_error": first_error,
         "committed": committed,
