@@ -5,6 +5,7 @@ Ray Train run with a SIGKILL: tests/test_replicas.py."""
 
 import json
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -88,6 +89,9 @@ def test_one_replica_trains_the_whole_batch_and_commits(lighthouse, tmp_path):
     assert any(k.startswith("optim.state.weight.") for k in record["digest"])
 
 
+STEP_S = 0.2  # a step's other work: a peer started meanwhile joins well before a trains 4 steps alone
+
+
 class Replica:
     """A replica's model, optimizer and progress, and the loop's step reduced to its replica calls."""
 
@@ -107,6 +111,7 @@ class Replica:
         self.participants: list[int] = []
 
     def step(self) -> None:
+        time.sleep(STEP_S)
         share = self.replicas.begin()
         g = share.plan.global_batch_size
         lo, hi = share.plan.span(share.rank)
@@ -132,7 +137,7 @@ def test_a_replica_that_joins_late_heals_from_its_peer_and_both_stay_bitwise_equ
         a.step()
     lighthouse()
     b = Replica(cfg, 1, data)  # a replacement: fresh state, step 0
-    with ThreadPoolExecutor(2) as pool:  # a may train alone on until b's first quorum
+    with ThreadPoolExecutor(2) as pool:  # a trains alone on until b's first quorum request arrives
         for f in [
             pool.submit(lambda r=r: [r.step() for _ in iter(lambda: r.progress.step < 7, False)]) for r in (a, b)
         ]:
