@@ -5,7 +5,8 @@
 Logs a run the way a training run does (`raytrain_ft.tracking.start_or_resume_run` and the real
 `StepTimeline`: steps 1-8 live, a commit at 4, a rollback discarding 5-6, steps 5-8 again, the
 final `registered`) plus un-prefixed run metrics, serves the store with `mlflow server` on
-127.0.0.1, opens the run's *Model metrics* tab in the model-training view
+127.0.0.1 (`raytrain_ft.launch.tracking_server.mlflow_server`), opens the run's *Model metrics*
+tab in the model-training view
 (`?workflowType=machine_learning`, as every link the project prints) with Debian's `chromium
 --headless`, and reads the chart sections in the order the page shows them. Passes (exit 0, one
 line) when the kept timeline `train` is the first section; else exit 1 naming the order.
@@ -17,15 +18,14 @@ from __future__ import annotations
 import argparse
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 from mlflow.tracking import MlflowClient
 
+from raytrain_ft.launch.tracking_server import mlflow_server
 from raytrain_ft.timeline import KEPT, StepTimeline
 from raytrain_ft.tracking import start_or_resume_run
 
@@ -50,12 +50,6 @@ def log_run(uri: str, root: str) -> tuple[str, str]:
     return client.get_run(run_id).info.experiment_id, run_id
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--screenshot", default="mlflow-ui-model-metrics.png", help="where to save the page (PNG)")
@@ -67,19 +61,8 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="mlflow-ui-check-")
     uri = f"sqlite:///{tmp}/mlflow.db"
     experiment_id, run_id = log_run(uri, f"{tmp}/run")
-    port = free_port()
-    mlflow = shutil.which("mlflow", path=f"{sys.prefix}/bin") or "mlflow"
-    cmd = [mlflow, "server", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(port)]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(60):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(1)
-        page = f"http://127.0.0.1:{port}/#/experiments/{experiment_id}/runs/{run_id}/model-metrics"
-        page += "?workflowType=machine_learning"
+    with mlflow_server(uri, f"{tmp}/mlartifacts", "127.0.0.1") as url:  # the one the driver starts on a cluster
+        page = f"{url}/#/experiments/{experiment_id}/runs/{run_id}/model-metrics?workflowType=machine_learning"
         browser = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=20000"]
         dom = subprocess.run([*browser, "--dump-dom", page], capture_output=True, text=True, timeout=120).stdout
         subprocess.run(
@@ -87,9 +70,6 @@ def main() -> int:
             capture_output=True,
             timeout=120,
         )
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
     text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom))
     sections = [name for name, _ in SECTION.findall(text)]
     first = KEPT.rstrip("/")

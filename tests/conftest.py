@@ -16,6 +16,8 @@ import pickle
 import shutil
 import sysconfig
 import tempfile
+import threading
+import time
 
 import pytest
 import ray
@@ -78,6 +80,22 @@ def process_group(tmp_path):
 
 
 _EMPTY_STORE = os.path.join(tempfile.mkdtemp(prefix="mlflow-empty-"), "mlflow.db")
+
+
+WAIT_S = 600  # any single wait of a fault-injecting test longer than this is a hung run, not a slow machine
+
+
+def wait_for(what: str, condition, trainer: threading.Thread):
+    """Poll `condition()` every 50 ms until it returns a truthy value (returned); fail if the run's
+    `trainer` thread ended first or after `WAIT_S` seconds."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        assert trainer.is_alive(), f"the run ended while the test waited for {what}"
+        time.sleep(0.05)
+    raise AssertionError(f"waited {WAIT_S} s for {what}")
 
 
 def sqlite_store(folder) -> str:

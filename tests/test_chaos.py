@@ -38,6 +38,7 @@ import ray
 from mlflow.tracking import MlflowClient
 
 from conftest import (
+    WAIT_S,
     assert_resumed,
     assert_same_state,
     events,
@@ -45,6 +46,7 @@ from conftest import (
     make_config,
     metric_by_step,
     run_root,
+    wait_for,
 )
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.launch.driver import restarts_left, run
@@ -55,21 +57,8 @@ from raytrain_ft.tracking import MlflowRecorder, steps_logged_since
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 SEED = int(os.environ.get("CHAOS_SEED", "13"))
-WAIT_S = 600  # any single wait longer than this is a hung run, not a slow machine
 HOLD_S = 1.5  # slow storage: every save's write and every restore's read is held this long
 KILLS = 3
-
-
-def wait_for(what: str, condition, trainer: threading.Thread):
-    """Poll `condition()` until it returns a truthy value; fail if the run ended first."""
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        assert trainer.is_alive(), f"the run ended while the test waited for {what}"
-        time.sleep(0.05)
-    raise AssertionError(f"waited {WAIT_S} s for {what}")
 
 
 def steps_done_since(client: MlflowClient, run_id: str, t: float) -> list[int]:

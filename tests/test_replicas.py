@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import final_state, make_config, metric_by_step, run_root, uninterrupted_lrs
+from conftest import WAIT_S, final_state, make_config, metric_by_step, run_root, uninterrupted_lrs, wait_for
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import window_sample_ids
@@ -34,18 +34,6 @@ pytestmark = pytest.mark.usefixtures("ray_local")
 
 SEED = int(os.environ.get("REPLICA_SEED", "5"))
 STEPS = 24
-WAIT_S = 600
-
-
-def wait_for(what: str, condition, trainer: threading.Thread):
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        assert trainer.is_alive(), f"the run ended while the test waited for {what}"
-        time.sleep(0.05)
-    raise AssertionError(f"waited {WAIT_S} s for {what}")
 
 
 def final_digest(root: str, replica: int) -> dict:
