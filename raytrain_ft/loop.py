@@ -5,16 +5,18 @@ committed checkpoint's data position, the model, optimizer, schedule, the checkp
 step hooks: construction only), calls `Trainer.begin` (restore, the attempt's record and goodput
 account, the auto checkpoint interval), then runs `Trainer.step` once per optimizer step: this
 rank's share of the global batch, at any world size (`data.position.BatchPlan`) -> forward/backward
-over its `grad_accum_steps` passes -> clip (global grad norm) -> spike guard (all ranks agree) ->
-wait for the checkpoint snapshot -> optimizer step or skip -> LR scheduler -> advance the data
+over its `grad_accum_steps` passes -> gradient reduction across replicas -> clip (global grad norm)
+-> spike guard, one decision for every member -> commit or train the step again -> wait for the
+checkpoint snapshot -> optimizer step or skip -> LR scheduler -> advance the data
 position -> held-out validation at its interval (`validation`) -> rank check and replica fingerprint
-at their intervals -> roll back after persistent spikes, else commit/save. Who trains a step, the
-split, the gradient reduction across replicas and whether the step counts are the step members'
-(`replicas`: the whole group under restart recovery, a torchft quorum of replicas under replica
+at their intervals -> roll back after persistent spikes, else save. Who trains a step, the
+split, the gradient reduction across replicas, the agreed skip and whether the step counts are the
+step members' (`replicas`: the whole group under restart recovery, a torchft quorum of replicas under replica
 recovery); the loop calls them the same way in both modes.
 
 What the loop records goes to a `Recorder` (`raytrain_ft.recorder`: rank 0's records, the other
-ranks' is a `NullRecorder`); nothing is read back from it. What it decides with comes from the
+ranks' is a `NullRecorder`; under replica recovery each step's participant of rank 0 records it,
+`replicas.Role` says who starts the attempt); nothing is read back from it. What it decides with comes from the
 checkpoint and from `Session.history` (`raytrain_ft.recovery.RunHistory`: the run's start and its
 failures, attempt starts, hangs and rollbacks).
 
