@@ -12,8 +12,9 @@ arrives and heals from it. In order (the seed, `REPLICA_SEED`, picks the moments
    moment into the hold: the step must not commit and replica 0 trains it again, alone;
 3. step `SAVE_KILL_STEP`: replica 0, the saver, is SIGKILLed 0.5 s into its checkpoint write (a
    `kill_during_save` fault): no deadlock, the partial checkpoint is never committed nor loaded;
-4. once the checkpoint of `resume_step` is committed the test SIGKILLs both replicas: Ray Train
-   restarts the whole group, which resumes from `resume_step`.
+4. once the checkpoint of `resume_step` is committed (and its goodput recorded, which `assert_resumed`
+   reads as the proof of the commit) the test SIGKILLs both replicas: Ray Train restarts the whole
+   group, which resumes from `resume_step`.
 """
 
 from __future__ import annotations
@@ -114,7 +115,13 @@ def test_replicas_killed_in_the_all_reduce_in_a_save_and_all_at_once_keep_every_
     second = current_workers(root)  # replica 1's replacement, and replica 0 (dead or not yet replaced)
     third = wait_for("replica 0's replacement", lambda: replaced_since(root, 0, float(save_kill.read_text())), trainer)
     # 4. every replica, once the checkpoint of resume_step is committed
-    wait_for(f"the commit of step {resume_step}", lambda: read_latest(root) == step_path(root, resume_step), trainer)
+    client = MlflowClient(cfg.tracking.uri)
+
+    def recorded_commit() -> bool:  # in the run folder, and its goodput recorded (what `assert_resumed` reads)
+        committed = read_latest(root) == step_path(root, resume_step)
+        return committed and resume_step in {m.step for m in client.get_metric_history(run_id, "wall_s")}
+
+    wait_for(f"the commit of step {resume_step}", recorded_commit, trainer)
     before_all = current_workers(root)
     for replica in (0, 1):
         os.kill(before_all[replica]["pid"], signal.SIGKILL)
@@ -143,7 +150,7 @@ def test_replicas_killed_in_the_all_reduce_in_a_save_and_all_at_once_keep_every_
         assert ids == expected[(step - 1) * g : step * g], step
 
     evs = MlflowRecorder(cfg.tracking.uri, run_id).events()
-    by_kind: dict[str, list[dict]] = {}
+    by_kind: dict[str, list[dict]] = {k: [] for k in ("step_not_committed", "replica_joined", "replica_start")}
     for e in evs:
         by_kind.setdefault(e["kind"], []).append(e)
     # the step replica 1 was killed in did not commit on replica 0, which trained it again alone
@@ -176,7 +183,6 @@ def test_replicas_killed_in_the_all_reduce_in_a_save_and_all_at_once_keep_every_
     assert zero["digest"] == one["digest"] == state_digest(final_state(cfg, STEPS))
 
     # the recovery history: one row per replacement, one restart; the goodput ledger's replacement part
-    client = MlflowClient(cfg.tracking.uri)
     rows = replacement_rows(evs, steps_logged_since(client, run_id, 0.0))
     assert [(r["replica"], r["cause"], r["last_step"]) for r in rows] == [
         (1, f"rank 1: {KILLED}", hold_step - 1),
