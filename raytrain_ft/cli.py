@@ -192,17 +192,18 @@ def _history(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from raytrain_ft import recovery
-    from raytrain_ft.tracking import MlflowRecorder
+    from raytrain_ft.tracking import MlflowRecorder, steps_logged_since
 
     client = _store(args.tracking_uri)
     run = _find_run(client, args.run)
     events = MlflowRecorder(client.tracking_uri, run.info.run_id).events()
     console = Console(width=200)
     console.print(f"run {run.info.run_name} ({run.info.run_id}), status {run.info.status}")
-    for title, rows in (
-        ("Recovery history", recovery.recovery_rows(events)),
-        ("Guard events", recovery.guard_rows(events)),
-    ):
+    tables = [("Recovery history", recovery.recovery_rows(events))]
+    if any(e["kind"] == "failure" and e.get("replaced") for e in events):  # replica recovery replaced some
+        done = steps_logged_since(client, run.info.run_id, 0.0)
+        tables.append(("Replica replacements", recovery.replacement_rows(events, done)))
+    for title, rows in [*tables, ("Guard events", recovery.guard_rows(events))]:
         table = Table(title=title)
         keys = list(rows[0]) if rows else ["(none)"]
         for key in keys:

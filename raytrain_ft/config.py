@@ -31,6 +31,7 @@ FAULT_KINDS = (
     "slow",
     "slow_save",
     "slow_restore",
+    "hold_reduce",
 )
 ALERT_POLICIES = ("warn", "restart")
 INTERVAL_MODES = ("fixed", "auto")
@@ -165,12 +166,16 @@ class ValidationSection:
 
 @dataclass
 class FaultSpec:
-    kind: str = MISSING  # raise, kill, kill_during_save, nan, spike, bitflip, hang, slow, slow_save, slow_restore
+    kind: str = (
+        MISSING  # raise, kill, kill_during_save, nan, spike, bitflip, hang, slow, slow_save, slow_restore, hold_reduce
+    )
     step: int = MISSING  # the (first) step at which the fault fires; once per run
     rank: int = 0  # the rank that fails; -1 = every rank
     steps: int = 1  # spike / nan / slow / slow_save / slow_restore: for this many consecutive steps
     factor: float = 1000.0  # spike: the loss (and so the gradients) of the rank is multiplied by this
-    seconds: float = 0.0  # hang: sleep once; slow: every step; slow_save / slow_restore: the writer / reader sleeps
+    seconds: float = (
+        0.0  # hang, hold_reduce: sleep once; slow: every step; slow_save / slow_restore: the writer / reader sleeps
+    )
 
 
 @dataclass

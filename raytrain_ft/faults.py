@@ -9,16 +9,21 @@ the step), `slow` (the rank sleeps `seconds` in every step), `slow_save` (slow s
 checkpoint writer sleeps `seconds` before writing each save, after creating the step folder),
 `slow_restore` (slow storage on read: the rank's checkpoint reader sleeps `seconds` on the first
 item of each restore, with the checkpoint file open: what `lsof` or `/proc/<pid>/fd` shows while a
-restore is in progress, held long enough to be seen). `nan`, `spike`, `slow`, `slow_save` and
+restore is in progress, held long enough to be seen), `hold_reduce` (the rank holds `seconds` right
+before the step's gradient reduction, after writing its marker: under replica recovery its peers
+wait inside the gradient all-reduce meanwhile, so a test that kills the holding replica once the
+marker exists kills it while its peers are in the all-reduce). `nan`, `spike`, `slow`, `slow_save` and
 `slow_restore` last `steps` steps (`slow_restore`: restores of checkpoints of those steps); `rank: -1`
-means every rank. Each fault fires once per run: the firing rank writes
+means every rank (the rank is the worker's rank in the run: under replica recovery the replica's
+index, `Session.rank`). Each fault fires once per run: the firing rank writes
 `<run folder>/faults/<index>-<step>.fired` first, so a restarted attempt (or the steps re-run after a
 rollback) passes it; `slow`, `slow_save` and `slow_restore` are properties of the machine and fire on
 every pass.
 
 The injector is a step hook (`raytrain_ft.hooks`): `raise`/`kill` fire in `before_step`, `bitflip`,
-`hang` and `slow` in `after_optimizer_step`. `loss_factor`, `save_delay_s`, `after_save_started` and
-`restore_delay_s` change the step's (or the restore's) own values and are called where they act.
+`hang` and `slow` in `after_optimizer_step`. `loss_factor`, `before_reduce`, `save_delay_s`,
+`after_save_started` and `restore_delay_s` change the step's (or the restore's) own values and are
+called where they act.
 
 Before a `raise`/`kill` fault, and before a `hang` sleeps, every rank calls `settle()`: the loop
 finishes its in-flight save and waits until Ray registered the commit (the controller callback
@@ -114,6 +119,13 @@ class FaultInjector(StepHook):
         return sum(
             f.seconds for _, f in self.faults if f.kind == kind and self._mine(f) and f.step <= step < f.step + f.steps
         )
+
+    def before_reduce(self, step: int) -> None:
+        """`hold_reduce`: mark, then hold this rank before the gradient reduction of `step`."""
+        for i, f in self._pending(step, ("hold_reduce",)):
+            if self._mine(f):
+                self._mark(i, step)
+                time.sleep(f.seconds)
 
     def after_save_started(self, step: int) -> None:
         """SIGKILL this rank while its (slowed) write of `step` is in flight."""

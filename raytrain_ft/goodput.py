@@ -18,7 +18,13 @@ Wall time runs from the MLflow run's creation (the first submission) to now. The
     the failure, tearing down and starting the group, imports);
   - `restore`: building the model and loading the checkpoint, per attempt and per rollback;
   - `hang`: from a hung rank's last step until its watchdog fired;
-  - `startup`: from submission to the end of the first attempt's restore (workers, model build).
+  - `startup`: from submission to the end of the first attempt's restore (workers, model build);
+  - `replacement` (replica recovery, `raytrain_ft.replicas`): the survivors' time lost to a
+    replica's failure while they keep training: a step that did not commit (a peer died in it) and
+    the next quorum's wait for the lighthouse to drop the dead replica. The steps the survivors
+    train with fewer participants are productive (each trains the whole global batch); the
+    replacement's own start runs beside them, so it is no wall time of its own: the recovery
+    history's replacement rows give its seconds (`raytrain_ft.recovery.replacement_rows`).
 
 Per step, `StepAccount` (a step hook, `raytrain_ft.hooks`) adds the step to rank 0's ledger.
 The ledger is part of the checkpoint (rank 0 only), so after a restore it covers the kept timeline
@@ -37,7 +43,7 @@ from dataclasses import dataclass, field
 from raytrain_ft.hooks import StepHook, StepResult
 
 GAP_PARTS = ("checkpoint_stall", "skipped_steps", "lost_work", "restart_downtime", "restore", "hang", "startup")
-PARTS = ("validation", *GAP_PARTS)  # validation is only ever measured inside a step
+PARTS = ("validation", *GAP_PARTS, "replacement")  # validation and replacement are only measured while training
 
 
 def classify_gap(events: list[dict], start: float, end: float, fresh: bool) -> dict[str, float]:
@@ -51,7 +57,8 @@ def classify_gap(events: list[dict], start: float, end: float, fresh: bool) -> d
     With `fresh` (no checkpoint was loaded) everything up to the first attempt's start is
     `startup`. An `attempt_start` without a failure before it (an elastic resize, or a job
     resubmitted after its driver died) has no known end of work: the time since the last boundary
-    counts as lost work.
+    counts as lost work. A `failure` of replicas that were replaced while the others kept training
+    (its `replaced` field, replica recovery) is no boundary: the survivors' steps are their own.
     """
     parts = dict.fromkeys(GAP_PARTS, 0.0)
     cursor, mode = start, "startup" if fresh else "lost_work"
@@ -64,7 +71,7 @@ def classify_gap(events: list[dict], start: float, end: float, fresh: bool) -> d
 
     for e in sorted((e for e in events if start < e["time"] <= end), key=lambda e: e["time"]):
         kind = e["kind"]
-        if kind == "failure" and mode == "lost_work":
+        if kind == "failure" and mode == "lost_work" and not e.get("replaced"):
             upto(e["time"], mode)
             mode = "restart_downtime"
         elif kind == "attempt_start":
@@ -104,18 +111,24 @@ class GoodputLedger:
             self.badput_s[kind] += seconds
         self.accounted_until = max(self.accounted_until, now)
 
-    def add_step(self, now: float, stall_s: float, skipped: bool, validation_s: float = 0.0) -> None:
+    def add_step(
+        self, now: float, stall_s: float, skipped: bool, validation_s: float = 0.0, replacement_s: float = 0.0
+    ) -> None:
         """Account [accounted_until, now] as one step: `stall_s` of checkpoint stall, `validation_s`
-        of validation, the rest productive, or skipped if the guard skipped the update."""
+        of validation, `replacement_s` lost to a peer replica's failure, the rest productive (with
+        fewer replicas too), or skipped if the guard skipped the update."""
         duration = max(0.0, now - self.accounted_until)
         stall = min(stall_s, duration)
         validation = min(validation_s, duration - stall)
+        replacement = min(replacement_s, duration - stall - validation)
         self.badput_s["checkpoint_stall"] += stall
         self.badput_s["validation"] += validation
+        self.badput_s["replacement"] += replacement
+        rest = duration - stall - validation - replacement
         if skipped:
-            self.badput_s["skipped_steps"] += duration - stall - validation
+            self.badput_s["skipped_steps"] += rest
         else:
-            self.productive_s += duration - stall - validation
+            self.productive_s += rest
         self.accounted_until = max(self.accounted_until, now)
 
     def add(self, kind: str, now: float) -> None:
@@ -153,4 +166,4 @@ class StepAccount(StepHook):
         self.ledger = ledger
 
     def after_optimizer_step(self, result: StepResult) -> None:
-        self.ledger.add_step(time.time(), result.stall_s, result.skipped, result.validation_s)
+        self.ledger.add_step(time.time(), result.stall_s, result.skipped, result.validation_s, result.recovery_s)

@@ -73,22 +73,32 @@ class SpikeGuard:
     skipped: int = 0  # skips in the whole run
 
     def decide(self, grad_norm: float) -> tuple[bool, float | None]:
-        """Return (skip, median of the history) and update the history/counters.
+        """Return (skip, median of the history) and update the history/counters (`judge`, then `record`).
 
         `grad_norm` must be the same float on every rank (it is: DDP all-reduces the gradients
         before `clip_grad_norm_`), so the decision is too.
         """
+        skip, median = self.judge(grad_norm)
+        self.record(grad_norm, skip)
+        return skip, median
+
+    def judge(self, grad_norm: float) -> tuple[bool, float | None]:
+        """(skip, median of the history) for `grad_norm`, without changing the guard: the loop agrees
+        on the decision across the step's members before the step commits, then `record`s it."""
         median = statistics.median(self.history) if self.history else None
         spike = median is not None and len(self.history) >= self.warmup and grad_norm > self.factor * median
-        if not math.isfinite(grad_norm) or spike:
+        return not math.isfinite(grad_norm) or spike, median
+
+    def record(self, grad_norm: float, skip: bool) -> None:
+        """Count a skip, or add an accepted `grad_norm` to the history."""
+        if skip:
             self.consecutive += 1
             self.skipped += 1
-            return True, median
+            return
         self.consecutive = 0
         self.history.append(grad_norm)
         while len(self.history) > self.window:
             self.history.popleft()
-        return False, median
 
     def state_dict(self) -> dict:
         return {"history": list(self.history), "consecutive": self.consecutive, "skipped": self.skipped}

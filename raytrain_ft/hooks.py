@@ -36,7 +36,9 @@ class StepResult:
     median grad norm (None during its warm-up); `stall_s`: seconds this step was blocked on a
     checkpoint (snapshot copy, or the previous write); `validation`: `val_loss` and
     `val_perplexity` at a validated step (`raytrain_ft.validation`), else empty; `validation_s`: its
-    seconds (0 without one).
+    seconds (0 without one); `recovery_s`: seconds of the step lost to a peer replica's failure
+    (`StepMembers.recovering_s`: under replica recovery, the quorum's wait for the lighthouse to
+    drop a dead replica; else 0).
     """
 
     step: int
@@ -47,6 +49,7 @@ class StepResult:
     stall_s: float
     validation: dict[str, float] = field(default_factory=dict)
     validation_s: float = 0.0
+    recovery_s: float = 0.0
 
 
 class StepHook:

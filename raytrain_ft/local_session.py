@@ -21,6 +21,8 @@ from raytrain_ft.tracking import MlflowRecorder
 
 
 class LocalSession:
+    replacement = False  # no replica recovery without Ray
+
     def __init__(self, run_root: str, data_path: str, seed: int, tracking_uri: str, mlflow_run_id: str):
         self.run_root, self.data_path, self.seed = run_root.rstrip("/"), data_path, seed
         self.tracking_uri, self.mlflow_run_id = tracking_uri, mlflow_run_id

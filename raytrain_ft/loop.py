@@ -5,16 +5,18 @@ committed checkpoint's data position, the model, optimizer, schedule, the checkp
 step hooks: construction only), calls `Trainer.begin` (restore, the attempt's record and goodput
 account, the auto checkpoint interval), then runs `Trainer.step` once per optimizer step: this
 rank's share of the global batch, at any world size (`data.position.BatchPlan`) -> forward/backward
-over its `grad_accum_steps` passes -> clip (global grad norm) -> spike guard (all ranks agree) ->
-wait for the checkpoint snapshot -> optimizer step or skip -> LR scheduler -> advance the data
+over its `grad_accum_steps` passes -> gradient reduction across replicas -> clip (global grad norm)
+-> spike guard, one decision for every member -> commit or train the step again -> wait for the
+checkpoint snapshot -> optimizer step or skip -> LR scheduler -> advance the data
 position -> held-out validation at its interval (`validation`) -> rank check and replica fingerprint
-at their intervals -> roll back after persistent spikes, else commit/save. Who trains a step, the
-split, the gradient reduction across replicas and whether the step counts are the step members'
-(`replicas`: the whole group under restart recovery, a torchft quorum of replicas under replica
+at their intervals -> roll back after persistent spikes, else save. Who trains a step, the
+split, the gradient reduction across replicas, the agreed skip and whether the step counts are the
+step members' (`replicas`: the whole group under restart recovery, a torchft quorum of replicas under replica
 recovery); the loop calls them the same way in both modes.
 
 What the loop records goes to a `Recorder` (`raytrain_ft.recorder`: rank 0's records, the other
-ranks' is a `NullRecorder`); nothing is read back from it. What it decides with comes from the
+ranks' is a `NullRecorder`; under replica recovery each step's participant of rank 0 records it,
+`replicas.Role` says who starts the attempt); nothing is read back from it. What it decides with comes from the
 checkpoint and from `Session.history` (`raytrain_ft.recovery.RunHistory`: the run's start and its
 failures, attempt starts, hangs and rollbacks).
 
@@ -45,14 +47,14 @@ from raytrain_ft.errors import ConfigError, StorageFullError
 from raytrain_ft.faults import FaultInjector
 from raytrain_ft.fingerprint import fingerprint
 from raytrain_ft.goodput import GoodputLedger, StepAccount
-from raytrain_ft.guards import NoRollbackTargetError, RankChecks, RollbackLog, SkipDisagreementError, SpikeGuard
+from raytrain_ft.guards import NoRollbackTargetError, RankChecks, RollbackLog, SpikeGuard
 from raytrain_ft.hooks import StepHooks, StepResult
 from raytrain_ft.interval import CheckpointSchedule, planning_mtbf_s
 from raytrain_ft.model import lm_loss
 from raytrain_ft.parallel import Parallel, build
-from raytrain_ft.recorder import NullRecorder
+from raytrain_ft.recorder import Gated, NullRecorder
 from raytrain_ft.recovery import RunHistory
-from raytrain_ft.replicas import Share, first_share, step_members
+from raytrain_ft.replicas import Share, first_share, role, step_members
 from raytrain_ft.run_folder import complete_steps, end_run, step_path
 from raytrain_ft.schedule import lr_schedule
 from raytrain_ft.session import Session
@@ -205,8 +207,12 @@ class Trainer:
         self.init_started_at = time.time()  # restore time (goodput) counts from here
         self.cfg, self.session = cfg, session
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        # rank 0 records (under replica recovery every replica is rank 0 of its own group: replica 0 records)
-        self.recorder = session.recorder(attempt=True) if session.rank == 0 else NullRecorder()
+        # restart recovery: rank 0 records; replica recovery: every replica, each step the step's
+        # participant of rank 0 (`step_recorder`), the attempt replica 0 unless it is a replacement
+        self.role = role(cfg, session.rank, session.replacement)
+        self.recorder = session.recorder(attempt=self.role.attempt) if self.role.records else NullRecorder()
+        self.attempt_recorder = self.recorder if self.role.attempt else NullRecorder()
+        self.step_recorder = Gated(self.recorder, lambda: self.members.records)
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.manifest = load_manifest(cfg.data.path)
@@ -242,15 +248,15 @@ class Trainer:
 
         self.checkpointer = Checkpointer(session.run_root, self._commit)
         self.group = self.checkpointer.control_group  # CPU gloo group for guard collectives
-        self.checks = RankChecks(cfg.guards, self.par, self.group, self.recorder, self.settle)
+        self.checks = RankChecks(cfg.guards, self.par, self.group, self.step_recorder, self.settle)
         self.validation = Validation(
             cfg.validation, cfg.data.path, self.manifest, self.plan, self.rank, self.par, self.group, self.device
         )
         self.audit = DataAudit(
             session.run_root, lambda ids: self.members.gather(ids), cfg.data.audit, self.plan.max_share
         )
-        self.faults = FaultInjector(
-            cfg.faults, self.rank, session.run_root, self.settle, lambda: self.par.local_parameters()[0]
+        self.faults = FaultInjector(  # a fault's rank is the run's (under replica recovery the replica's)
+            cfg.faults, session.rank, session.run_root, self.settle, lambda: self.par.local_parameters()[0]
         )
         self.watchdog = StepWatchdog(  # every rank: the hung one reports its stacks
             cfg.failure.hang_timeout_s,
@@ -269,7 +275,7 @@ class Trainer:
             self.scheduler,
             self.position,
             self.guard,
-            self.recorder,
+            self.step_recorder,
             self.rank,
         )
         self.hooks = StepHooks([self.faults, StepAccount(self.ledger), metrics, self.audit, self.watchdog])
@@ -290,7 +296,15 @@ class Trainer:
         self.watchdog.beat(step_done=False)  # restoring a large checkpoint is neither a hang nor a step
         share = Share(self.plan, self.rank)
         self.members = step_members(
-            cfg, share, self.group, self.state, self.progress.step, session.rank, {"audit": self.audit}
+            cfg,
+            share,
+            self.group,
+            self.state,
+            self.progress.step,
+            session.rank,
+            {"audit": self.audit},
+            self.recorder,
+            self.role.replacement,
         )
         self.done = self.progress.step >= cfg.train.max_steps  # a finished run submitted again
         self.start_attempt(history, resumed_from or 0, KEY_GOODPUT in loaded)
@@ -316,8 +330,8 @@ class Trainer:
             "init_started_at": self.init_started_at,
         }
         history.record({"kind": "attempt_start", **start})
-        self.recorder.tags(self.par.tags())
-        self.recorder.metrics(
+        self.attempt_recorder.tags(self.par.tags())
+        self.attempt_recorder.metrics(
             self.progress.step,
             {
                 "resumed_from_step": resumed_from,
@@ -325,13 +339,13 @@ class Trainer:
                 "batch_balance": self.plan.batch_balance,
             },
         )
-        self.recorder.event("attempt_start", **start)
-        self.recorder.resume_timeline(resumed_from, history.attempt_starts())
+        self.attempt_recorder.event("attempt_start", **start)
+        self.attempt_recorder.resume_timeline(resumed_from, history.attempt_starts())
         if not ledger_loaded:
             self.ledger.start(history.run_start)
         if not self.done:  # a finished run's account is closed
             self.ledger.add_gap(history.events, time.time(), fresh=not ledger_loaded)
-            self.recorder.goodput(self.progress.step, self.ledger.summary(time.time()))
+            self.attempt_recorder.goodput(self.progress.step, self.ledger.summary(time.time()))
 
     def auto_schedule(self, history: RunHistory) -> CheckpointSchedule:
         """`checkpoint.interval: auto`: Daly's interval at the MTBF (`history`'s failures) rank 0
@@ -342,7 +356,7 @@ class Trainer:
         )
         mtbf = torch.tensor([planned], dtype=torch.float64)
         dist.broadcast(mtbf, src=0, group=self.group)
-        self.recorder.tags({"mtbf_source": source})
+        self.attempt_recorder.tags({"mtbf_source": source})
         return CheckpointSchedule(c.interval_steps, mtbf.item(), last_save_step=self.progress.step)
 
     def _commit(self, step: int, path: str) -> None:
@@ -364,8 +378,8 @@ class Trainer:
         self.settle()
         if not self.done:  # a finished run submitted again: its account is closed
             self.ledger.add("checkpoint_stall", time.time())
-            self.recorder.goodput(self.progress.step, self.ledger.summary(time.time()), final=True)
-            self.recorder.refresh_loss_plot(wait=True)
+            self.step_recorder.goodput(self.progress.step, self.ledger.summary(time.time()), final=True)
+            self.step_recorder.refresh_loss_plot(wait=True)
 
     def step(self) -> None:
         """One optimizer step on every rank (collectives: all ranks call it together). Under replica
@@ -378,16 +392,17 @@ class Trainer:
         self.hooks.after_batch(step, passes)
         weighted = forward_backward(self.par, share.plan, passes, self.faults.loss_factor(step), self.device)
         local_loss = rank_mean_loss(share.plan, share.rank, weighted)  # what the rank check compares
-        weighted = self.members.reduce(self.par, weighted)  # replicas: their gradients averaged, losses summed
-        if not self.members.commit():
-            self.optimizer.zero_grad(set_to_none=True)
-            return
+        self.faults.before_reduce(step)
+        self.members.reduce(self.par)  # replicas: their gradients averaged over the step's participants
         grad_norm = self.par.clip_grad_norm_(self.cfg.train.grad_clip)
-        skip, median = self.guard.decide(grad_norm)
-        totals = torch.tensor([weighted, float(skip)], dtype=torch.float64)
-        dist.all_reduce(totals, group=self.group)  # SUM: global mean loss, and every rank's decision
-        if totals[1].item() not in (0, self.world_size):
-            raise SkipDisagreementError(f"step {step}: ranks disagree on skipping (grad norms differ)")
+        skip, median = self.guard.judge(grad_norm)
+        # SUM of the members' losses (the global mean loss x members); one skip decision for all of them
+        loss_sum, skip = self.members.agree(step, weighted, skip)
+        if not self.members.commit():  # a peer failed during the step: its time is lost to that failure
+            self.optimizer.zero_grad(set_to_none=True)
+            self.ledger.add("replacement", time.time())
+            return
+        self.guard.record(grad_norm, skip)
         self.checkpointer.wait_staged()  # the snapshot must be copied before the weights change
         if not skip:
             self.optimizer.step()
@@ -396,9 +411,11 @@ class Trainer:
         self.progress.step = step
         self.position.advance(self.plan.global_batch_size, self.steps_per_epoch)
         val = self.validation.maybe_run(step)  # every rank (collectives); empty when not due
-        loss, stall_s = totals[0].item() / share.plan.world_size, self.checkpointer.take_stall_s()
+        loss, stall_s = loss_sum / share.plan.world_size, self.checkpointer.take_stall_s()
         self.hooks.after_optimizer_step(
-            StepResult(step, loss, grad_norm, skip, median, stall_s, val.metrics, val.seconds)
+            StepResult(
+                step, loss, grad_norm, skip, median, stall_s, val.metrics, val.seconds, self.members.recovering_s
+            )
         )
         self.checks.monitor(step, local_loss, grad_norm)
         if self.guard.consecutive >= self.cfg.guards.spike.max_consecutive_skips:
@@ -430,7 +447,7 @@ class Trainer:
             self.checkpointer.save(step, self.state)
             self.schedule.saved(step)
         self.settle()
-        self.recorder.event("preemption_checkpoint", step=step)
+        self.step_recorder.event("preemption_checkpoint", step=step)
 
     def settle(self) -> None:
         """Finish the in-flight save and wait until the runtime registered every commit."""
@@ -456,7 +473,7 @@ class Trainer:
         finally:
             self.state.add(KEY_ROLLBACKS, keep)
         self.audit.discard_after(self.progress.step)
-        self.recorder.discard_after(self.progress.step)
+        self.step_recorder.discard_after(self.progress.step)
         c = self.cfg
         window = c.guards.spike.skip_window_steps
         skipped = window_sample_ids(c.data.path, self.manifest, c.train.seed, self.position, self.plan, window)
@@ -479,7 +496,7 @@ class Trainer:
         )
         event = {"time": time.time(), **record, "restore_started_at": restore_started_at}
         history.record({"kind": "rollback", **event})
-        self.recorder.event("rollback", **event)
-        self.recorder.metrics(step, {"rollbacks": len(self.rollbacks.rollbacks)})
+        self.step_recorder.event("rollback", **event)
+        self.step_recorder.metrics(step, {"rollbacks": len(self.rollbacks.rollbacks)})
         # the reloaded ledger ends at the checkpoint: account for the discarded steps and the reload
         self.ledger.add_gap(history.events, time.time(), fresh=False)

@@ -8,7 +8,9 @@ checkpointed state. Implementations:
   per-step timeline of `raytrain_ft.timeline`, the loss plot, the recovery tables);
 * `raytrain_ft.launch.recorder_actor.RemoteRecorder`: the same calls, run by the job's
   `RecorderActor` (which holds an `MlflowRecorder`), so Ray workers never import MLflow;
-* `NullRecorder`: records nothing, for the ranks that do not log (every rank but 0).
+* `NullRecorder`: records nothing, for the ranks that do not log (every rank but 0);
+* `Gated`: another recorder's calls, made only while a condition holds (under replica recovery a
+  replica records a step's metrics only when it is the step's participant of rank 0).
 
 This module imports no MLflow: the training workers import it.
 """
@@ -16,6 +18,7 @@ This module imports no MLflow: the training workers import it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 
 class Recorder(ABC):
@@ -116,3 +119,58 @@ class NullRecorder(Recorder):
 
     def write_recovery_tables(self) -> None:
         pass
+
+
+class Gated(Recorder):
+    """`inner`'s calls, made only while `when()` is true (else dropped, as a `NullRecorder` would)."""
+
+    def __init__(self, inner: Recorder, when: Callable[[], bool]):
+        self.inner, self.when = inner, when
+
+    def metrics(self, step: int, values: dict[str, float]) -> None:
+        if self.when():
+            self.inner.metrics(step, values)
+
+    def tags(self, values: dict[str, str]) -> None:
+        if self.when():
+            self.inner.tags(values)
+
+    def event(self, kind: str, **fields: object) -> None:
+        if self.when():
+            self.inner.event(kind, **fields)
+
+    def hang(self, rank: int, dump: str, stalled_s: float) -> None:
+        if self.when():
+            self.inner.hang(rank, dump, stalled_s)
+
+    def record_step(self, step: int, values: dict[str, float], current: dict[str, float], at: float) -> None:
+        if self.when():
+            self.inner.record_step(step, values, current, at)
+
+    def committed(self, step: int) -> None:
+        if self.when():
+            self.inner.committed(step)
+
+    def registered(self) -> None:
+        if self.when():
+            self.inner.registered()
+
+    def discard_after(self, step: int) -> None:
+        if self.when():
+            self.inner.discard_after(step)
+
+    def resume_timeline(self, resumed_from: int, attempt_starts: list[float]) -> None:
+        if self.when():
+            self.inner.resume_timeline(resumed_from, attempt_starts)
+
+    def goodput(self, step: int, summary: dict[str, float], final: bool = False) -> None:
+        if self.when():
+            self.inner.goodput(step, summary, final)
+
+    def refresh_loss_plot(self, wait: bool = False) -> None:
+        if self.when():
+            self.inner.refresh_loss_plot(wait)
+
+    def write_recovery_tables(self) -> None:
+        if self.when():
+            self.inner.write_recovery_tables()

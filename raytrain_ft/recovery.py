@@ -12,6 +12,13 @@ failure was detected (`group_ready_s`: the new worker group's process group is u
 starts; `restored_s`: the checkpoint is loaded; `first_batch_s`: the first batch is ready;
 `downtime_s`: the first step is done), world size before and after. Guard events (skipped steps, rollbacks, rank alerts,
 hangs, corrupt checkpoints) form a second table.
+
+Under `failure.recovery: replica` a failure of some replicas while others are healthy is no restart:
+Ray Train replaces only those (the `failure` event lists them under `replaced`) and the survivors
+keep training. `replacement_rows` makes one row per replaced replica from that event and the
+replica events (`raytrain_ft.replicas`): `replica_start` (the replacement restored, before it
+joined a quorum), `replica_joined` (its first committed step), and the steps the survivors
+completed (the `last_step` metric's history).
 """
 
 from __future__ import annotations
@@ -20,8 +27,17 @@ import bisect
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-GUARD_EVENT_KINDS = ("skipped_step", "rollback", "rank_spread", "replica_mismatch", "hang", "corrupt_checkpoint")
+GUARD_EVENT_KINDS = (
+    "skipped_step",
+    "rollback",
+    "rank_spread",
+    "replica_mismatch",
+    "hang",
+    "corrupt_checkpoint",
+    "step_not_committed",
+)
 RECOVERY_TABLE = "recovery_history.json"
+REPLACEMENT_TABLE = "replica_replacements.json"
 GUARD_TABLE = "guard_events.json"
 
 
@@ -118,6 +134,8 @@ def recovery_rows(events: list[dict]) -> list[dict]:
     rows = []
     previous = -1
     for i, e in failures(events):
+        if e.get("replaced"):  # a replacement (`replacement_rows`): the survivors kept training
+            continue
         later = events[i + 1 :]
         trained = any(x["kind"] == "attempt_start" for x in events[previous + 1 : i])
         previous = i
@@ -145,6 +163,46 @@ def recovery_rows(events: list[dict]) -> list[dict]:
                 "world_size_after": start["world_size"] if start else None,
             }
         )
+    return rows
+
+
+def replacement_rows(events: list[dict], steps_done: list[tuple[int, float]]) -> list[dict]:
+    """One dict per replica replaced while the others kept training (oldest first): when it failed,
+    which replica, the cause, the last step completed before the failure; the seconds after the
+    failure was detected until the survivors completed a later step (`survivors_committed_s`, from
+    `steps_done`: (step, unix seconds) of every completed step), until the replacement had restored
+    (`replacement_restored_s`; `restored_from`: the committed checkpoint it loaded, before it healed
+    from a live peer) and until it first took part in a committed step (`replacement_joined_s`, at
+    `joined_step` with `participants` replicas). Fields not known yet are None."""
+    rows = []
+    done = sorted(steps_done, key=lambda st: st[1])
+    for i, e in failures(events):
+        if not e.get("replaced"):
+            continue
+        later = events[i + 1 :]
+        committed = next((t for s, t in done if t > e["time"] and s > e["last_step"]), None)
+
+        def since(t: float | None, failed_at: float = e["time"]) -> float | None:
+            return round(t - failed_at, 3) if t is not None else None
+
+        for replica in e["replaced"]:
+            mine = [x for x in later if x.get("replica") == replica]
+            start = next((x for x in mine if x["kind"] == "replica_start"), None)
+            joined = next((x for x in mine if x["kind"] == "replica_joined"), None)
+            rows.append(
+                {
+                    "failed_at": _iso(e["time"]),
+                    "replica": replica,
+                    "cause": cause_text({str(replica): e["causes"].get(str(replica), "")}),
+                    "last_step": e["last_step"],
+                    "survivors_committed_s": since(committed),
+                    "replacement_restored_s": since(start["time"] if start else None),
+                    "restored_from": start["resumed_from"] if start else None,
+                    "replacement_joined_s": since(joined["time"] if joined else None),
+                    "joined_step": joined["step"] if joined else None,
+                    "participants": joined["participants"] if joined else None,
+                }
+            )
     return rows
 
 

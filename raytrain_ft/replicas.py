@@ -1,12 +1,16 @@
 """Who trains each step, and whether it counts: the whole group, or the replicas of a torchft quorum.
 
-The loop asks its `StepMembers` four things per optimizer step, whatever the recovery mode:
-`begin()` (this step's `Share`: the batch split and this rank's place in it), `reduce(par, loss)`
-after the forward/backward passes, `commit()` before the optimizer step, and `gather(ids)` for the
-data audit. Two implementations:
+The loop asks its `StepMembers` five things per optimizer step, whatever the recovery mode:
+`begin()` (this step's `Share`: the batch split and this rank's place in it), `reduce(par)` after
+the forward/backward passes, `agree(step, loss, skip)` (the members' summed loss and one spike-guard
+decision for all of them), `commit()` before the optimizer step, and `gather(ids)` for the data
+audit; `saves` and `records` say whether this rank writes the step's checkpoint and records its
+metrics. Two implementations:
 
 * `WholeGroup` (`failure.recovery: restart`): every rank of the process group trains every step
-  with the same split; the strategy (DDP, FSDP) already reduced the gradients; every step commits.
+  with the same split; the strategy (DDP, FSDP) already reduced the gradients; the ranks' guard
+  decisions must be equal (they judge the same gradients: a disagreement raises
+  `SkipDisagreementError`); every step commits.
 * `Replicas` (`failure.recovery: replica`): every Ray Train worker is a replica group of one worker
   holding the full model (Ray Train 2.60 hard-codes `replica_group_size=1`), and a torchft
   `Manager` joins the replicas per step:
@@ -46,6 +50,8 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -58,14 +64,17 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from raytrain_ft.config import Config
 from raytrain_ft.data.position import BatchPlan
+from raytrain_ft.guards import SkipDisagreementError
 from raytrain_ft.parallel import Parallel
-from raytrain_ft.train_state import KEY_GOODPUT, KEY_META, KEY_MODEL, KEY_OPTIM, TrainState
+from raytrain_ft.recorder import Recorder
+from raytrain_ft.train_state import KEY_GUARDS, KEY_META, KEY_MODEL, KEY_OPTIM, TrainState
 
 log = logging.getLogger(__name__)
 
-# Not sent to a healing replica: the run metadata is the replica's own config's, the goodput ledger
-# is the logging replica's alone.
-NOT_HEALED = (KEY_META, KEY_GOODPUT)
+# Not sent to a healing replica: the run metadata is the replica's own config's.
+NOT_HEALED = (KEY_META,)
+# Set in a replacement replica's environment by the Ray backend (`launch.driver.ReplicaBackend`).
+REPLACEMENT_ENV = "RAYTRAIN_FT_REPLACEMENT"
 # Lighthouse (one per run, started by Ray Train's `TorchftConfig`): a quorum needs one replica; the
 # first waits this long for the others to join (start-up skew); a replica silent this long is dead.
 # The heartbeat timeout is what the survivors wait after a kill before they train on without the dead
@@ -83,10 +92,32 @@ class Share:
     rank: int
 
 
+@dataclass(frozen=True)
+class Role:
+    """What one process records for the run. `attempt`: it starts the run's attempt (a fresh step
+    timeline, the `attempt_start` event, the previous attempt's values sorted); `records`: it has
+    a recorder (it records a step when `StepMembers.records`); `replacement`: a replica started in
+    place of a failed one while the others kept training (it starts no attempt)."""
+
+    attempt: bool
+    records: bool
+    replacement: bool
+
+
+def role(cfg: Config, rank: int, replacement: bool) -> Role:
+    """Restart recovery: rank 0 records everything. Replica recovery: every replica records the
+    steps it is rank 0 of; replica 0 starts the attempt, unless it is a replacement."""
+    if cfg.failure.recovery == "replica":
+        return Role(attempt=rank == 0 and not replacement, records=True, replacement=replacement)
+    return Role(attempt=rank == 0, records=rank == 0, replacement=False)
+
+
 class WholeGroup:
     """`failure.recovery: restart`: every rank of the process group, every step (module doc)."""
 
     saves = True  # every rank writes its part of each checkpoint
+    records = True  # rank 0's recorder records (the others' is a `NullRecorder`)
+    recovering_s = 0.0  # a failure restarts the group: nothing of a step is lost to it while training
 
     def __init__(self, share: Share, group: dist.ProcessGroup):
         self.share, self.group = share, group
@@ -94,9 +125,20 @@ class WholeGroup:
     def begin(self) -> Share:
         return self.share
 
-    def reduce(self, par: Parallel, loss: float) -> float:
-        """The strategy reduced the gradients in backward; `loss` stays this rank's."""
-        return loss
+    def reduce(self, par: Parallel) -> None:
+        """The strategy reduced the gradients in backward."""
+
+    def agree(self, step: int, loss: float, skip: bool) -> tuple[float, bool]:
+        """(every rank's `loss` summed, the skip decision) over the group (a collective).
+
+        Raises:
+            SkipDisagreementError: the ranks' guards decided differently (their grad norms differ).
+        """
+        totals = torch.tensor([loss, float(skip)], dtype=torch.float64)
+        dist.all_reduce(totals, group=self.group)
+        if totals[1].item() not in (0, dist.get_world_size(self.group)):
+            raise SkipDisagreementError(f"step {step}: ranks disagree on skipping (grad norms differ)")
+        return totals[0].item(), skip
 
     def commit(self) -> bool:
         return True
@@ -122,13 +164,29 @@ class Replicas:
         heal_only: what a healing peer receives besides `state` and no checkpoint holds (the data
             audit's buffered steps: those trained before this replica joined are written by
             whichever replica commits next).
+        recorder: this replica's recorder (its replica events; the loop's step records go through it
+            when `records`).
+        replacement: Ray Train started this replica in place of a failed one (`Role.replacement`).
     """
 
-    def __init__(self, cfg: Config, state: TrainState, replica_index: int, step: int, heal_only: dict[str, Stateful]):
+    def __init__(
+        self,
+        cfg: Config,
+        state: TrainState,
+        replica_index: int,
+        step: int,
+        heal_only: dict[str, Stateful],
+        recorder: Recorder,
+        replacement: bool = False,
+    ):
         from torchft import Manager, ProcessGroupGloo  # the `[ft]` extra: imported only in this mode
 
         self.global_batch_size, self.micro_batch_size = cfg.train.global_batch_size, cfg.train.micro_batch_size
         self.state, self.replica_index = state, replica_index
+        self.recorder, self.replacement, self.joined = recorder, replacement, False
+        self.last_participants: int | None = None  # of this replica's last committed step
+        self.lost = False  # this replica's last step did not commit
+        self.recovering_s = 0.0
         self.healed = {k: c for k, c in state.components.items() if k not in NOT_HEALED} | heal_only
         timeout = timedelta(seconds=TIMEOUT_S)
         self.manager = Manager(
@@ -147,6 +205,8 @@ class Replicas:
         self.manager.register_state_dict_fn("train", self._load, self._state_dict)
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         self.share: Share | None = None
+        if replacement:
+            recorder.event("replica_start", replica=replica_index, resumed_from=step)
 
     def _state_dict(self) -> dict[str, Any]:
         return {k: c.state_dict() for k, c in self.healed.items()}
@@ -162,10 +222,16 @@ class Replicas:
         Raises:
             RuntimeError: from torchft, when no quorum forms within the Manager's timeout.
         """
+        started = time.monotonic()
         self.manager.start_quorum()
+        waited = time.monotonic() - started
         rank = self.manager.participating_rank()
         assert rank is not None, "a synchronous quorum makes every member a participant"
-        plan = BatchPlan(self.global_batch_size, self.micro_batch_size, self.manager.num_participants())
+        participants = self.manager.num_participants()
+        shrank = self.last_participants is not None and participants < self.last_participants
+        # the survivors' wait for the lighthouse to drop a dead peer (its heartbeat timeout)
+        self.recovering_s = waited if self.lost or shrank else 0.0
+        plan = BatchPlan(self.global_batch_size, self.micro_batch_size, participants)
         self.share = Share(plan, rank)
         return self.share
 
@@ -174,9 +240,14 @@ class Replicas:
         """Whether this replica writes this step's durable checkpoint: the participant of rank 0."""
         return self.share is not None and self.share.rank == 0
 
-    def reduce(self, par: Parallel, loss: float) -> float:
-        """Average the gradients over the step's participants in place; return the participants'
-        summed `loss`. After a failed all-reduce the values are garbage and `commit()` is False."""
+    @property
+    def records(self) -> bool:
+        """Whether this replica records this step's metrics and events: the participant of rank 0."""
+        return self.saves
+
+    def reduce(self, par: Parallel) -> None:
+        """Average the gradients over the step's participants in place. After a failed all-reduce
+        the values are garbage and `commit()` is False."""
         grads = [p.grad for p in par.model.parameters() if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         self.manager.allreduce(flat).wait()  # AVG: sum over the participants, divided by P
@@ -184,13 +255,38 @@ class Replicas:
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
-        total = torch.tensor([loss], dtype=torch.float64)
-        self.manager.allreduce(total, reduce_op=dist.ReduceOp.SUM).wait()
-        return total.item()
+
+    def agree(self, step: int, loss: float, skip: bool) -> tuple[float, bool]:
+        """(the participants' `loss` summed, whether any participant's guard skips the step): one
+        all-reduce, before the commit (a failed one makes `commit()` False)."""
+        totals = torch.tensor([loss, float(skip)], dtype=torch.float64)
+        self.manager.allreduce(totals, reduce_op=dist.ReduceOp.SUM).wait()
+        votes = totals[1].item()
+        if votes != float(skip) * self.manager.num_participants() and votes > 0:
+            log.warning(
+                "replica %d: step %d: %g of the replicas' guards skip it: every replica skips",
+                self.replica_index,
+                step,
+                votes,
+            )
+        return totals[0].item(), votes > 0
 
     def commit(self) -> bool:
-        """Whether the step counts (`Manager.should_commit`); False: train it again."""
-        return self.manager.should_commit()
+        """Whether the step counts (`Manager.should_commit`); False: train it again (a
+        `step_not_committed` event). A replacement's first committed step: a `replica_joined` event."""
+        participants = self.manager.num_participants()
+        if not self.manager.should_commit():
+            self.lost = True
+            step = self.manager.current_step() + 1
+            self.recorder.event("step_not_committed", replica=self.replica_index, step=step, participants=participants)
+            return False
+        self.lost, self.last_participants = False, participants
+        if self.replacement and not self.joined:
+            step = self.manager.current_step()
+            self.recorder.event("replica_joined", replica=self.replica_index, step=step, participants=participants)
+            self.recorder.write_recovery_tables()
+        self.joined = True
+        return True
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         """`ids` (width,) int64 of every participant, stacked by participant rank: (P, width). An
@@ -203,10 +299,11 @@ class Replicas:
 
     def finish(self, run_root: str) -> None:
         """After the last step: record this replica's `state_digest` of its model and optimizer in
-        `<run folder>/workers/replica<i>.final.json` (that every replica ended equal is checked from
-        these files), then leave the quorum."""
+        `<run folder>/workers/replica<i>.final.json` with its step and its spike guard's count of
+        skipped steps (that every replica ended equal is checked from these files), then leave the quorum."""
         tensors = {**self.state.components[KEY_MODEL].state_dict(), **flat_optimizer_state(self.state)}
-        record = {"step": self.manager.current_step(), "digest": state_digest(tensors)}
+        guard = pickle.loads(self.state.components[KEY_GUARDS].state_dict()["pickle"])
+        record = {"step": self.manager.current_step(), "digest": state_digest(tensors), "skipped": guard["skipped"]}
         with fsspec.open(
             f"{run_root.rstrip('/')}/workers/replica{self.replica_index}.final.json", "w", auto_mkdir=True
         ) as f:
@@ -251,10 +348,13 @@ def step_members(
     step: int,
     replica_index: int,
     heal_only: dict[str, Stateful],
+    recorder: Recorder,
+    replacement: bool,
 ) -> StepMembers:
     """The `StepMembers` of `cfg.failure.recovery`. `share`: the whole group's fixed split (restart);
     `group`: the CPU group the whole group gathers on; `state`, `step`, `heal_only`: what a heal
-    replaces (`Replicas`), and its step; `replica_index`: this worker's rank in the run (`Session.rank`)."""
+    replaces (`Replicas`), and its step; `replica_index`: this worker's rank in the run (`Session.rank`);
+    `recorder`, `replacement`: this replica's recorder and `Role.replacement` (`Replicas`)."""
     if cfg.failure.recovery == "replica":
-        return Replicas(cfg, state, replica_index, step, heal_only)
+        return Replicas(cfg, state, replica_index, step, heal_only, recorder, replacement)
     return WholeGroup(share, group)

@@ -21,6 +21,9 @@ class Session(Protocol):
     run_root: str  # the run's folder (local path or fsspec URL): checkpoints, fault markers, run id
     mlflow_run_id: str  # the run's MLflow run (recorded in each checkpoint)
     rank: int  # this worker's rank in the run (the process group's rank; under replica recovery, the replica's)
+    # under replica recovery: the runtime started this worker in place of a failed replica while the
+    # others kept training (`raytrain_ft.replicas.Role`); False otherwise
+    replacement: bool
 
     def recorder(self, attempt: bool) -> Recorder:
         """The run's recorder (`raytrain_ft.recorder`). `attempt=True` (rank 0, once per attempt):

@@ -221,9 +221,13 @@ class MlflowRecorder(Recorder):
             log.warning("could not refresh %s: %s", LOSS_PLOT, e)
 
     def write_recovery_tables(self) -> None:
-        """Rebuild `recovery_history.json`, `guard_events.json` and the recovery totals from the events."""
+        """Rebuild `recovery_history.json`, `replica_replacements.json`, `guard_events.json` and the
+        recovery totals from the events."""
         events = self.events()
         rows, guards = recovery.recovery_rows(events), recovery.guard_rows(events)
+        replaced = recovery.replacement_rows(events, steps_logged_since(self.client, self.run_id, 0.0))
+        if replaced:
+            self.client.log_dict(self.run_id, recovery.split_table(replaced), recovery.REPLACEMENT_TABLE)
         # Written whole each time in `log_table`'s layout ({"columns", "data"}); `log_table` itself appends.
         if rows:
             self.client.log_dict(self.run_id, recovery.split_table(rows), recovery.RECOVERY_TABLE)

@@ -1,10 +1,20 @@
-"""Replica recovery (`failure.recovery: replica`, torchft): a replica killed between steps is replaced
-while the other keeps training, and the run keeps the project's guarantees per committed step.
+"""Replica recovery (`failure.recovery: replica`, torchft): replicas killed in the gradient all-reduce,
+during a durable checkpoint's write, and all at once, plus a NaN on one replica, in ONE run; the run
+keeps the project's guarantees per committed step.
 
-Two replicas (2 CPU workers, gloo, the tiny preset). Every step sleeps 1 s (a `slow` fault, every
-pass) so the survivor is still training when Ray Train's replacement arrives and heals from it. The
-test, not the loop, SIGKILLs replica 1's process (its pid from `<run folder>/workers/rank1.json`)
-after a seeded random number of steps.
+Two replicas (2 CPU workers, gloo, the tiny preset), a checkpoint every 4 steps, every step at least
+1 s (a `slow` fault, every pass) so the survivor is still training when Ray Train's replacement
+arrives and heals from it. In order (the seed, `REPLICA_SEED`, picks the moments):
+
+1. step `NAN_STEP`: replica 1's loss is NaN (a `nan` fault): every replica must skip that step;
+2. step `hold_step`: replica 1 holds before its gradient reduction (a `hold_reduce` fault, marker
+   first) while replica 0 waits inside the all-reduce; the test SIGKILLs replica 1 a seeded
+   moment into the hold: the step must not commit and replica 0 trains it again, alone;
+3. step `SAVE_KILL_STEP`: replica 0, the saver, is SIGKILLed 0.5 s into its checkpoint write (a
+   `kill_during_save` fault): no deadlock, the partial checkpoint is never committed nor loaded;
+4. once the checkpoint of `resume_step` is committed (and its goodput recorded, which `assert_resumed`
+   reads as the proof of the commit) the test SIGKILLs both replicas: Ray Train restarts the whole
+   group, which resumes from `resume_step`.
 """
 
 from __future__ import annotations
@@ -20,28 +30,62 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import WAIT_S, final_state, make_config, metric_by_step, run_root, uninterrupted_lrs, wait_for
+from conftest import (
+    WAIT_S,
+    assert_resumed,
+    final_state,
+    make_config,
+    metric_by_step,
+    run_root,
+    uninterrupted_lrs,
+    wait_for,
+)
+from raytrain_ft.cli import main as cli
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import window_sample_ids
 from raytrain_ft.data.position import BatchPlan, DataPosition
 from raytrain_ft.launch.driver import run
+from raytrain_ft.recovery import KILLED, recovery_rows, replacement_rows
 from raytrain_ft.replicas import state_digest
-from raytrain_ft.run_folder import read_latest, step_path, worker_records
-from raytrain_ft.tracking import steps_logged_since
+from raytrain_ft.run_folder import complete_steps, fault_marker, read_latest, step_path, worker_records
+from raytrain_ft.tracking import MlflowRecorder, steps_logged_since
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 SEED = int(os.environ.get("REPLICA_SEED", "5"))
-STEPS = 24
+STEPS = 46
+NAN_STEP = 6
+SAVE_KILL_STEP = 24
+HOLD_S = 4.0
 
 
 def final_digest(root: str, replica: int) -> dict:
     return json.loads(Path(root, "workers", f"replica{replica}.final.json").read_text())
 
 
+def current_workers(root: str) -> dict[int, dict]:
+    records = worker_records(root, 2, 0.0)
+    assert records is not None
+    return records
+
+
+def replaced_since(root: str, replica: int, since: float) -> dict[int, dict] | None:
+    """Both replicas' worker records once `replica`'s process started after unix time `since`."""
+    records = worker_records(root, 2, 0.0)
+    return records if records and records[replica]["started_at"] > since else None
+
+
 @pytest.mark.timeout(900)
-def test_a_replica_killed_between_steps_is_replaced_while_the_other_keeps_training(tmp_path, dataset):
+def test_replicas_killed_in_the_all_reduce_in_a_save_and_all_at_once_keep_every_step(tmp_path, dataset, capsys):
+    rng = random.Random(SEED)
+    hold_step, kill_into_hold_s, resume_step = rng.randint(10, 12), rng.uniform(0.3, 2.5), rng.choice([36, 40])
+    faults = [
+        f"{{kind: slow, step: 1, steps: {STEPS}, rank: -1, seconds: 1.0}}",
+        f"{{kind: nan, step: {NAN_STEP}, rank: 1}}",
+        f"{{kind: hold_reduce, step: {hold_step}, rank: 1, seconds: {HOLD_S}}}",
+        f"{{kind: kill_during_save, step: {SAVE_KILL_STEP}, rank: 0}}",
+    ]
     cfg = make_config(
         tmp_path,
         dataset,
@@ -49,35 +93,47 @@ def test_a_replica_killed_between_steps_is_replaced_while_the_other_keeps_traini
         f"train.max_steps={STEPS}",
         "checkpoint.interval_steps=4",
         "data.audit=true",
-        "failure.max_failures=2",
-        f"faults=[{{kind: slow, step: 1, steps: {STEPS}, rank: -1, seconds: 1.0}}]",
+        "failure.max_failures=4",
+        f"faults=[{', '.join(faults)}]",
     )
     root = run_root(cfg)
-    rng = random.Random(SEED)
     result: dict = {}
     trainer = threading.Thread(target=lambda: result.update(run_id=run(cfg)), daemon=True)
     trainer.start()
     run_id_file = Path(root, "mlflow_run_id")
     run_id = wait_for("the MLflow run", lambda: run_id_file.exists() and run_id_file.read_text().strip(), trainer)
+    first = wait_for("both replicas", lambda: worker_records(root, 2, 0.0), trainer)
+
+    # 2. replica 1 holds before the gradient all-reduce of hold_step: kill it a seeded moment into the hold
+    wait_for(f"replica 1 holding at step {hold_step}", Path(fault_marker(root, 2, hold_step)).exists, trainer)
+    time.sleep(kill_into_hold_s)
+    os.kill(first[1]["pid"], signal.SIGKILL)
+    killed_in_reduce = time.time()
+    # 3. the loop kills replica 0 itself while it writes the checkpoint of SAVE_KILL_STEP
+    save_kill = Path(fault_marker(root, 3, SAVE_KILL_STEP))
+    wait_for(f"replica 0's kill during the save of step {SAVE_KILL_STEP}", save_kill.exists, trainer)
+    second = current_workers(root)  # replica 1's replacement, and replica 0 (dead or not yet replaced)
+    third = wait_for("replica 0's replacement", lambda: replaced_since(root, 0, float(save_kill.read_text())), trainer)
+    # 4. every replica, once the checkpoint of resume_step is committed
     client = MlflowClient(cfg.tracking.uri)
-    workers = wait_for("both replicas", lambda: worker_records(root, 2, 0.0), trainer)
-    kill_after = rng.randint(3, 6)
-    wait_for(
-        f"{kill_after} steps",
-        lambda: len({s for s, _ in steps_logged_since(client, run_id, 0.0)}) >= kill_after,
-        trainer,
-    )
-    time.sleep(rng.uniform(0.0, 1.0))
-    os.kill(workers[1]["pid"], signal.SIGKILL)
-    killed_at = time.time()
+
+    def recorded_commit() -> bool:  # in the run folder, and its goodput recorded (what `assert_resumed` reads)
+        committed = read_latest(root) == step_path(root, resume_step)
+        return committed and resume_step in {m.step for m in client.get_metric_history(run_id, "wall_s")}
+
+    wait_for(f"the commit of step {resume_step}", recorded_commit, trainer)
+    before_all = current_workers(root)
+    for replica in (0, 1):
+        os.kill(before_all[replica]["pid"], signal.SIGKILL)
+    killed_all = time.time()
 
     trainer.join(timeout=WAIT_S)
     assert not trainer.is_alive() and result.get("run_id") == run_id, "the run did not finish"
-    after = worker_records(root, 2, 0.0)
-    assert after is not None
-    # the survivor kept its process; Ray Train replaced only the killed replica
-    assert after[0]["pid"] == workers[0]["pid"] and after[0]["started_at"] == workers[0]["started_at"]
-    assert after[1]["pid"] != workers[1]["pid"] and after[1]["started_at"] > killed_at
+    last = current_workers(root)
+    # Ray Train replaced only the killed replica each time; the survivor kept its process
+    assert second[0]["pid"] == first[0]["pid"] and second[1]["started_at"] > killed_in_reduce
+    assert third[1] == second[1] and third[0]["pid"] != first[0]["pid"]
+    assert before_all == third and all(last[r]["started_at"] > killed_all for r in (0, 1))
 
     # every committed step trained the uninterrupted run's global batch, whoever took part
     manifest, g = load_manifest(cfg.data.path), cfg.train.global_batch_size
@@ -92,15 +148,54 @@ def test_a_replica_killed_between_steps_is_replaced_while_the_other_keeps_traini
     assert sorted(trained) == list(range(1, STEPS + 1))
     for step, ids in trained.items():
         assert ids == expected[(step - 1) * g : step * g], step
-    # the survivor trained some steps alone after the kill, and the healed replacement joined it again
-    alone = [s for s, ranks in participants.items() if len(ranks) == 1 and s > kill_after]
-    assert alone and len(participants[STEPS]) == 2, {s: len(r) for s, r in participants.items()}
-    # the LR of every step replica 0 (the one that records) trained is the schedule's; it misses only the
-    # first steps when replica 1 started first and trained them before replica 0 joined and healed
-    logged, schedule = metric_by_step(cfg, run_id, "train/lr"), uninterrupted_lrs(cfg.train)
-    assert logged == {s: schedule[s] for s in range(min(logged), STEPS + 1)} and min(logged) <= kill_after
-    # both replicas ended bitwise equal to each other and to the final checkpoint
+
+    evs = MlflowRecorder(cfg.tracking.uri, run_id).events()
+    by_kind: dict[str, list[dict]] = {k: [] for k in ("step_not_committed", "replica_joined", "replica_start")}
+    for e in evs:
+        by_kind.setdefault(e["kind"], []).append(e)
+    # the step replica 1 was killed in did not commit on replica 0, which trained it again alone
+    assert [(e["replica"], e["step"], e["participants"]) for e in by_kind["step_not_committed"]] == [(0, hold_step, 2)]
+    joined = {e["replica"]: e["step"] for e in by_kind["replica_joined"]}
+    assert sorted(joined) == [0, 1] and hold_step < joined[1] < SAVE_KILL_STEP < joined[0] <= resume_step
+    # the steps trained with one replica: the survivor's until each replacement joined (and maybe
+    # the first step of an attempt, while the other replica's first quorum request was on its way)
+    alone = {s for s, ranks in participants.items() if len(ranks) == 1}
+    degraded = set(range(hold_step, joined[1])) | set(range(SAVE_KILL_STEP + 1, joined[0]))
+    assert degraded <= alone and alone - degraded <= {1, resume_step + 1}, sorted(alone)
+    # the replacements restored a committed checkpoint (never the partial one of SAVE_KILL_STEP), then healed
+    restored = {e["replica"]: e["resumed_from"] for e in by_kind["replica_start"]}
+    assert restored.keys() == {0, 1} and restored[1] < joined[1] and SAVE_KILL_STEP - 4 <= restored[0] < joined[0]
+    assert all(s % 4 == 0 and s != SAVE_KILL_STEP for s in restored.values())
+    assert SAVE_KILL_STEP not in complete_steps(root)  # the killed write never completed (pruned since)
+    # the restart of every replica resumed from the checkpoint committed before the kill
+    assert_resumed(cfg.tracking.uri, run_id, [0, resume_step])
+
+    # the NaN on replica 1 alone: every replica skipped that step, and only that one
+    assert participants[NAN_STEP] == {0, 1}
+    assert [e["step"] for e in by_kind["skipped_step"]] == [NAN_STEP]
     zero, one = final_digest(root, 0), final_digest(root, 1)
+    assert zero["skipped"] == one["skipped"] == 1
+    # metrics for every step, whichever replica was rank 0 of its quorum; the LR is the schedule's
+    assert metric_by_step(cfg, run_id, "train/lr") == uninterrupted_lrs(cfg.train)
+    # both replicas ended bitwise equal to each other and to the final checkpoint
     assert zero["step"] == one["step"] == STEPS
     assert read_latest(root) == step_path(root, STEPS)
     assert zero["digest"] == one["digest"] == state_digest(final_state(cfg, STEPS))
+
+    # the recovery history: one row per replacement, one restart; the goodput ledger's replacement part
+    rows = replacement_rows(evs, steps_logged_since(client, run_id, 0.0))
+    assert [(r["replica"], r["cause"], r["last_step"]) for r in rows] == [
+        (1, f"rank 1: {KILLED}", hold_step - 1),
+        (0, f"rank 0: {KILLED}", SAVE_KILL_STEP),
+    ]
+    for r, replica in zip(rows, (1, 0), strict=True):
+        assert 0 < r["survivors_committed_s"] < r["replacement_restored_s"] < r["replacement_joined_s"], r
+        assert (r["restored_from"], r["joined_step"], r["participants"]) == (restored[replica], joined[replica], 2)
+    [restart] = recovery_rows(evs)
+    assert (restart["resumed_from"], restart["world_size_after"]) == (resume_step, 1)
+    assert cli(["history", run_id, "--tracking-uri", cfg.tracking.uri]) == 0
+    assert "Replica replacements" in capsys.readouterr().out
+    with open(client.download_artifacts(run_id, "goodput_summary.json")) as f:
+        goodput = json.load(f)
+    assert goodput["badput_replacement_s"] > 2.0 and goodput["productive_s"] > (STEPS - 2) * 1.0
+    assert abs(goodput["unaccounted_s"]) < 1.0, goodput

@@ -129,27 +129,36 @@ class FailureRecorder(ControllerCallback):
     `TRACKING_TIMEOUT_S`), so the failure is in the run history before the next attempt reads it; a
     tracking error is logged and never decides whether Ray restarts the group (Ray Train ends the
     run on an exception from a callback).
+
+    Under `failure.recovery: replica` (`replicas`: the run's number of replicas, else 0) Ray Train
+    replaces only the failed replicas when some replicas are still healthy (it restarts every one
+    when all failed): such a failure's event also lists the replaced ranks (`replaced`), which makes
+    it a replacement in the recovery history (`recovery.replacement_rows`), not a restart.
     """
 
-    def __init__(self, recorder_actor: ray.actor.ActorHandle):
-        self.recorder_actor = recorder_actor
+    def __init__(self, recorder_actor: ray.actor.ActorHandle, replicas: int = 0):
+        self.recorder_actor, self.replicas = recorder_actor, replicas
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
         if (worker_exceptions := decided_failure(current_state)) is not None:
-            self.record(worker_exceptions)
+            self.record(worker_exceptions, restarting=isinstance(current_state, RestartingState))
         elif (lost := lost_in_setup(current_state)) is not None:
             raise lost  # Ray Train: ControllerError(RayActorError), not retried: fit() raises it
 
-    def record(self, worker_exceptions: dict[int, Exception]) -> None:
-        """The `failure` event of one worker-group failure (`worker_exceptions`: rank -> Ray's error)."""
+    def record(self, worker_exceptions: dict[int, Exception], restarting: bool = True) -> None:
+        """The `failure` event of one worker-group failure (`worker_exceptions`: rank -> Ray's error;
+        `restarting`: Ray Train goes on, else the run ends)."""
         # Ray restarts the group only after this returns: one read, one tag write, one event file.
         causes = {str(rank): plain_cause(e) for rank, e in sorted(worker_exceptions.items())}
         try:
             recorder = RemoteRecorder(self.recorder_actor, wait=True, timeout_s=TRACKING_TIMEOUT_S)
             latest = recorder.latest_metrics()
             recorder.tags({"last_failure_cause": cause_text(causes)})
+            partial = restarting and 0 < len(worker_exceptions) < self.replicas
+            replaced = {"replaced": sorted(worker_exceptions)} if partial else {}
             recorder.event(
                 "failure",
+                **replaced,
                 causes=causes,
                 details={str(rank): str(e)[:20000] for rank, e in worker_exceptions.items()},  # Ray's full text
                 last_step=int(latest.get("last_step", 0)),

@@ -151,6 +151,7 @@ def run(cfg: Config) -> str:
 
 def _torch_trainer(cfg: Config, recorder_actor, run_id: str, run_root: str, max_failures: int) -> TorchTrainer:
     lo, hi = cfg.worker_range
+    replicas = hi if cfg.failure.recovery == "replica" else 0  # FailureRecorder: a partial failure is a replacement
     return TorchTrainer(
         train_func,
         train_loop_config={"config": to_dict(cfg), "recorder_actor": recorder_actor, "mlflow_run_id": run_id},
@@ -167,19 +168,20 @@ def _torch_trainer(cfg: Config, recorder_actor, run_id: str, run_root: str, max_
             storage_path=cfg.run.storage_path,
             failure_config=FailureConfig(max_failures=max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
-            callbacks=[CommitAcknowledger(run_root), FailureRecorder(recorder_actor)],  # type: ignore[list-item]
+            callbacks=[CommitAcknowledger(run_root), FailureRecorder(recorder_actor, replicas)],  # type: ignore[list-item]
         ),
     )
 
 
 def torch_config(cfg: Config) -> TorchConfig:
     """Ray Train's torch backend: one process group of every worker, or under `failure.recovery:
-    replica` one per replica group (one worker each) and a torchft lighthouse (`raytrain_ft.replicas`)."""
+    replica` one per replica group (one worker each) and a torchft lighthouse (`raytrain_ft.replicas`),
+    which marks a replacement replica (`launch.replica_backend`)."""
     backend, timeout_s = "nccl" if cfg.scaling.use_gpu else "gloo", cfg.failure.collective_timeout_s
     if cfg.failure.recovery == "replica":
-        from ray.train.v2.torch.torchft_config import TorchftConfig
+        from raytrain_ft.launch.replica_backend import ReplicaConfig
 
-        return TorchftConfig(lighthouse_kwargs=LIGHTHOUSE, backend=backend, timeout_s=timeout_s)
+        return ReplicaConfig(lighthouse_kwargs=LIGHTHOUSE, backend=backend, timeout_s=timeout_s)
     return TorchConfig(backend=backend, timeout_s=timeout_s)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterator
 
@@ -18,6 +19,7 @@ from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.launch.datasource import rank_micro_batches
 from raytrain_ft.launch.recorder_actor import WAIT_TIMEOUT_S, RemoteRecorder
 from raytrain_ft.recovery import RunHistory
+from raytrain_ft.replicas import REPLACEMENT_ENV
 from raytrain_ft.run_folder import read_commit_ack, read_latest, step_of, write_latest, write_worker_record
 
 log = logging.getLogger(__name__)
@@ -30,6 +32,7 @@ class RaySession:
     def __init__(self, data_path: str, seed: int, recorder_actor: ray.actor.ActorHandle, mlflow_run_id: str):
         ctx = ray.train.get_context()
         self.rank = ctx.get_world_rank()
+        self.replacement = os.environ.get(REPLACEMENT_ENV) == "1"  # set by `driver.ReplicaBackend`
         storage = ctx.get_storage()
         self.filesystem = storage.storage_filesystem  # pyarrow's: Ray compares it when registering a checkpoint
         scheme = self.filesystem.type_name

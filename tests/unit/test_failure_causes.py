@@ -8,7 +8,7 @@ from raytrain_ft.config import load_config
 from raytrain_ft.faults import InjectedFault
 from raytrain_ft.launch.callbacks import describe, plain_cause
 from raytrain_ft.launch.driver import MAX_LINE, failure_line
-from raytrain_ft.recovery import CONSEQUENCE, KILLED, cause_text, guard_rows, recovery_rows, totals
+from raytrain_ft.recovery import CONSEQUENCE, KILLED, cause_text, guard_rows, recovery_rows, replacement_rows, totals
 
 # Ray 2.60's and torch 2.13's own words, captured on this machine: an actor that called os._exit
 # (SIGKILL reads the same), one that called sys.exit(3), a gloo all_reduce whose peer never joined
@@ -127,6 +127,47 @@ def test_recovery_rows_give_lost_steps_and_the_phases_after_each_failure():
     assert guard_rows(EVENTS) == [
         {"time": "1970-01-01T00:01:42+00:00", "kind": "skipped_step", "step": 3, "detail": "grad_norm=99.0, median=1.0"}
     ]
+
+
+# Replica recovery: replica 1 killed at 100 (the controller's `failure` lists it under `replaced`; its
+# last step was 8; the survivor's step 9 did not commit), the survivor completes step 9 at 102.5, the
+# replacement has restored checkpoint 8 at 105 and first takes part in step 14 at 110; at 200 every
+# replica fails and the restart resumes from 16.
+REPLICA_EVENTS = [
+    {"kind": "attempt_start", "time": 10.0, "init_started_at": 5.0, "resumed_from": 0, "world_size": 1},
+    {"kind": "first_step", "time": 12.0, "first_batch_at": 11.0},
+    {"kind": "step_not_committed", "time": 99.9, "step": 9, "replica": 0, "participants": 2},
+    {"kind": "failure", "time": 100.0, "replaced": [1], "causes": {"1": KILLED}, "last_step": 8, "step_time_s": 1.0},
+    {"kind": "replica_start", "time": 105.0, "replica": 1, "resumed_from": 8},
+    {"kind": "replica_joined", "time": 110.0, "replica": 1, "step": 14, "participants": 2},
+    {"kind": "failure", "time": 200.0, "causes": {"0": KILLED, "1": KILLED}, "last_step": 18, "step_time_s": 1.0},
+    {"kind": "attempt_start", "time": 210.0, "init_started_at": 205.0, "resumed_from": 16, "world_size": 1},
+    {"kind": "first_step", "time": 212.0, "first_batch_at": 211.0},
+]
+for e in REPLICA_EVENTS:
+    e.setdefault("world_size", 1)
+
+
+def test_a_replaced_replica_is_a_replacement_row_and_not_a_restart():
+    steps_done = [(8, 99.0), (9, 102.5), (10, 103.5), (14, 110.0)]
+    assert replacement_rows(REPLICA_EVENTS, steps_done) == [
+        {
+            "failed_at": "1970-01-01T00:01:40+00:00",
+            "replica": 1,
+            "cause": f"rank 1: {KILLED}",
+            "last_step": 8,
+            "survivors_committed_s": 2.5,
+            "replacement_restored_s": 5.0,
+            "restored_from": 8,
+            "replacement_joined_s": 10.0,
+            "joined_step": 14,
+            "participants": 2,
+        }
+    ]
+    rows = recovery_rows(REPLICA_EVENTS)  # the restart of every replica only, its lost steps since 16
+    assert [(r["last_step"], r["resumed_from"], r["lost_steps"], r["downtime_s"]) for r in rows] == [(18, 16, 2, 12.0)]
+    assert totals(rows)["restarts"] == 1.0
+    assert [r["kind"] for r in guard_rows(REPLICA_EVENTS)] == ["step_not_committed"]
 
 
 class Events:

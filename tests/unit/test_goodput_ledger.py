@@ -87,3 +87,32 @@ def test_a_stall_longer_than_the_step_is_clamped_and_time_never_runs_backwards()
     assert (ledger.productive_s, ledger.badput_s["restore"], ledger.accounted_until) == (0.0, 0.0, 2.0)
     summary = ledger.summary(4.0)
     assert summary["goodput"] == 0.0 and summary["wall_s"] == 4.0 and summary["unaccounted_s"] == 2.0
+
+
+def test_replica_recovery_degraded_steps_are_productive_and_the_survivors_lost_time_is_replacement():
+    """Replica recovery: a peer dies during step 3 (it does not commit: 2 s into `replacement`), the
+    survivor's next quorum waits 1.5 s for the lighthouse to drop it (`replacement_s` of the step
+    after), the survivor trains on alone (productive); the replacement's failure event is no
+    boundary of a later restart's gap."""
+    ledger = GoodputLedger()
+    ledger.start(0.0)
+    ledger.add_step(1.0, stall_s=0.0, skipped=False)  # steps 1-2 with both replicas
+    ledger.add_step(2.0, stall_s=0.0, skipped=False)
+    ledger.add("replacement", 4.0)  # step 3 did not commit
+    ledger.add_step(6.5, stall_s=0.0, skipped=False, replacement_s=1.5)  # step 3 again, alone
+    ledger.add_step(7.5, stall_s=0.0, skipped=False)  # step 4, alone
+    assert ledger.badput_s["replacement"] == 2.0 + 1.5
+    assert ledger.productive_s == 1.0 + 1.0 + 1.0 + 1.0
+    assert ledger.summary(7.5)["unaccounted_s"] == pytest.approx(0.0)
+    # a later restart of every replica: the replacement (`replaced`) at 3.0 is not where work was lost
+    events = [
+        {"kind": "failure", "time": 3.0, "replaced": [1]},
+        {"kind": "failure", "time": 9.0},
+        {"kind": "attempt_start", "time": 12.0, "init_started_at": 11.0},
+    ]
+    assert classify_gap(events, 2.0, 12.0, fresh=False) == {
+        **dict.fromkeys(GAP_PARTS, 0.0),
+        "lost_work": 7.0,
+        "restart_downtime": 2.0,
+        "restore": 1.0,
+    }

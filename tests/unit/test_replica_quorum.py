@@ -1,7 +1,7 @@
 """`replicas.Replicas` against a real torchft lighthouse and Managers in this process (no Ray): the
-step's share comes from the quorum, the gradient and loss reductions, the audit's gather, the
-commit, the final digest record, and a replica that joins late healing from its peer's memory. The
-Ray Train run with a SIGKILL: tests/test_replicas.py."""
+step's share comes from the quorum, the gradient reduction, the loss and skip agreement, the
+audit's gather, the commit, the final digest record, a replica that joins late healing from its
+peer's memory, and the replica events. The Ray Train run with its SIGKILLs: tests/test_replicas.py."""
 
 import json
 import socket
@@ -15,10 +15,13 @@ import torch.distributed as dist
 from raytrain_ft.config import load_config
 from raytrain_ft.data.audit import DataAudit
 from raytrain_ft.data.position import BatchPlan, DataPosition
+from raytrain_ft.guards import SpikeGuard
 from raytrain_ft.parallel import Parallel
+from raytrain_ft.recorder import NullRecorder, Recorder
 from raytrain_ft.replicas import Replicas, Share, flat_optimizer_state, state_digest
 from raytrain_ft.train_state import (
     KEY_DATA,
+    KEY_GUARDS,
     KEY_MODEL,
     KEY_OPTIM,
     KEY_PROGRESS,
@@ -66,16 +69,19 @@ def test_one_replica_trains_the_whole_batch_and_commits(lighthouse, tmp_path):
     state = TrainState(0)
     state.add(KEY_MODEL, ModelState(model))
     state.add(KEY_OPTIM, OptimizerState(model, optimizer))
-    replicas = Replicas(cfg, state, replica_index=0, step=5, heal_only={})
+    guard = SpikeGuard(skipped=2)
+    state.add(KEY_GUARDS, Pickled(guard))
+    replicas = Replicas(cfg, state, replica_index=0, step=5, heal_only={}, recorder=NullRecorder())
 
     share = replicas.begin()
     assert share == Share(BatchPlan(8, cfg.train.micro_batch_size, 1), 0)
-    assert replicas.saves
+    assert replicas.saves and replicas.records
     model(torch.ones(4, 3)).sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     par = Parallel("ddp", model, model, 1, 1, 0, False)
-    assert replicas.reduce(par, 2.5) == 2.5  # the sum over one participant
+    replicas.reduce(par)
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+    assert replicas.agree(6, 2.5, False) == (2.5, False)  # the sum over one participant
     ids = torch.tensor([4, 9, -1])
     assert torch.equal(replicas.gather(ids), ids[None])
     assert replicas.commit()
@@ -85,30 +91,45 @@ def test_one_replica_trains_the_whole_batch_and_commits(lighthouse, tmp_path):
     replicas.finish(str(tmp_path))
     record = json.loads((tmp_path / "workers" / "replica0.final.json").read_text())
     expected = state_digest({**model.state_dict(), **flat_optimizer_state(state)})
-    assert record == {"step": 6, "digest": expected}
+    assert record == {"step": 6, "digest": expected, "skipped": 2}
     assert any(k.startswith("optim.state.weight.") for k in record["digest"])
 
 
 STEP_S = 0.2  # a step's other work: a peer started meanwhile joins well before a trains 4 steps alone
 
 
-class Replica:
-    """A replica's model, optimizer and progress, and the loop's step reduced to its replica calls."""
+class Events(NullRecorder):
+    """Keeps the events recorded (kind and fields), records nothing else."""
 
-    def __init__(self, cfg, index: int, data: torch.Tensor):
+    def __init__(self):
+        self.events: list[dict] = []
+
+    def event(self, kind: str, **fields: object) -> None:
+        self.events.append({"kind": kind, **fields})
+
+
+class Replica:
+    """A replica's model, optimizer, progress and spike guard, and the loop's step reduced to its
+    replica calls. `skip_at`: steps at which this replica's guard judges the step a skip."""
+
+    def __init__(self, cfg, index: int, data: torch.Tensor, replacement: bool = False, skip_at: tuple = ()):
         torch.manual_seed(0)  # every replica initialises the same weights
         self.model = torch.nn.Linear(3, 1)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.1)
         self.progress, self.position, self.data = Progress(), DataPosition(), data
+        self.guard, self.skip_at = SpikeGuard(), skip_at
         self.state = TrainState(0)
         self.state.add(KEY_MODEL, ModelState(self.model))
         self.state.add(KEY_OPTIM, OptimizerState(self.model, self.optimizer))
         self.state.add(KEY_PROGRESS, Pickled(self.progress))
         self.state.add(KEY_DATA, Pickled(self.position))
+        self.state.add(KEY_GUARDS, Pickled(self.guard))
         self.audit = DataAudit("unused", lambda ids: self.replicas.gather(ids), enabled=True, width=4)
-        self.replicas = Replicas(cfg, self.state, index, step=0, heal_only={"audit": self.audit})
+        self.recorder: Recorder = Events()
+        self.replicas = Replicas(cfg, self.state, index, 0, {"audit": self.audit}, self.recorder, replacement)
         self.par = Parallel("ddp", self.model, self.model, 1, 1, 0, False)
         self.participants: list[int] = []
+        self.skipped: list[int] = []
 
     def step(self) -> None:
         time.sleep(STEP_S)
@@ -120,9 +141,15 @@ class Replica:
             self.progress.step + 1, torch.arange(self.position.consumed, self.position.consumed + g)[lo:hi]
         )
         (self.model(batch).pow(2).sum() / g * share.plan.world_size).backward()  # pass weight n x P / G
-        self.replicas.reduce(self.par, 0.0)
+        self.replicas.reduce(self.par)
+        step = self.progress.step + 1
+        _, skip = self.replicas.agree(step, 0.0, step in self.skip_at)
         if self.replicas.commit():
-            self.optimizer.step()
+            self.guard.record(1.0, skip)
+            if skip:
+                self.skipped.append(step)
+            else:
+                self.optimizer.step()
             self.progress.step += 1
             self.position.advance(g, steps_per_epoch=100)
             self.participants.append(share.plan.world_size)
@@ -136,7 +163,7 @@ def test_a_replica_that_joins_late_heals_from_its_peer_and_both_stay_bitwise_equ
     for _ in range(3):  # alone: the whole global batch of 4 each step
         a.step()
     lighthouse()
-    b = Replica(cfg, 1, data)  # a replacement: fresh state, step 0
+    b = Replica(cfg, 1, data, replacement=True)  # a replacement: fresh state, step 0
     with ThreadPoolExecutor(2) as pool:  # a trains alone on until b's first quorum request arrives
         for f in [
             pool.submit(lambda r=r: [r.step() for _ in iter(lambda: r.progress.step < 7, False)]) for r in (a, b)
@@ -154,6 +181,13 @@ def test_a_replica_that_joins_late_heals_from_its_peer_and_both_stay_bitwise_equ
         assert ours and ours.keys() == theirs.keys(), key
         assert all(torch.equal(ours[k], theirs[k]) for k in ours), key
     assert not torch.equal(a.model.weight, Replica(cfg, 2, data).model.weight)  # it trained
+    # the replacement's events: restored at step 0, joined at its first committed step with its peer
+    first = 7 - joint + 1
+    assert b.recorder.events == [
+        {"kind": "replica_start", "replica": 1, "resumed_from": 0},
+        {"kind": "replica_joined", "replica": 1, "step": first, "participants": 2},
+    ]
+    assert a.recorder.events == []  # a survivor's steps that commit record no replica event
     for r in (a, b):
         r.replicas.manager.shutdown(wait=False)
 
@@ -184,7 +218,8 @@ def test_a_step_whose_peer_dies_in_the_all_reduce_does_not_commit_and_is_trained
         a.replicas.begin()
         g = a.replicas.share.plan.global_batch_size
         (a.model(data[a.position.consumed : a.position.consumed + g]).sum()).backward()
-        a.replicas.reduce(a.par, 0.0)
+        a.replicas.reduce(a.par)
+        a.replicas.agree(3, 0.0, False)
         committed = a.replicas.commit()
         a.optimizer.zero_grad(set_to_none=True)
         return committed
@@ -193,8 +228,32 @@ def test_a_step_whose_peer_dies_in_the_all_reduce_does_not_commit_and_is_trained
         dying, training = pool.submit(b_dies), pool.submit(a_trains)
         dying.result()
         assert training.result() is False  # the all-reduce failed: the step does not count
+    assert a.recorder.events == [{"kind": "step_not_committed", "replica": 0, "step": 3, "participants": 2}]
     before = (a.progress.step, DataPosition(a.position.epoch, a.position.consumed))
     a.step()  # the same step again, alone, from the same data position
     assert a.participants[-1] == 1 and a.progress.step == before[0] + 1
     assert a.position == DataPosition(0, before[1].consumed + 4)
     a.replicas.manager.shutdown(wait=False)
+
+
+def test_a_skip_judged_by_one_replica_is_every_replicas_skip(lighthouse, process_group):
+    """Only b's guard judges step 3 a skip (as a guard would that saw a NaN or a spike the other did
+    not): `agree` makes it both replicas' decision, so neither steps its optimizer there and both
+    stay bitwise equal."""
+    cfg = load_config(None, ["failure.recovery=replica", "train.global_batch_size=4", "train.micro_batch_size=1"])
+    data = torch.randn(40, 3)
+    a = Replica(cfg, 0, data)
+    lighthouse()
+    b = Replica(cfg, 1, data, skip_at=(3,))
+    with ThreadPoolExecutor(2) as pool:
+        for f in [
+            pool.submit(lambda r=r: [r.step() for _ in iter(lambda: r.progress.step < 5, False)]) for r in (a, b)
+        ]:
+            f.result()
+    assert a.participants[-3:] == b.participants[-3:] == [2, 2, 2]  # both trained steps 3-5 together
+    assert a.skipped == b.skipped == [3] and a.guard.skipped == b.guard.skipped == 1
+    for key in (KEY_MODEL, KEY_OPTIM):
+        ours, theirs = dict(flat(a.state, key)), dict(flat(b.state, key))
+        assert ours and all(torch.equal(ours[k], theirs[k]) for k in ours), key
+    for r in (a, b):
+        r.replicas.manager.shutdown(wait=False)
