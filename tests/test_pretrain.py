@@ -8,6 +8,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import (
+    GUARDED,
     assert_kept_timeline,
     assert_resumed,
     assert_same_state,
@@ -20,6 +21,7 @@ from conftest import (
     step_dirs,
     uninterrupted_lrs,
 )
+from local_run import local_run
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.errors import CheckpointError
 from raytrain_ft.integrity import verify_checkpoint
@@ -118,3 +120,16 @@ def test_checkpoint_of_another_model_is_refused_in_one_line(tmp_path, dataset, r
     message = str(e.value)
     assert "\n" not in message and message.startswith(f"checkpoint {run_root(ref_cfg)}/step-30 belongs to a different")
     assert "model.preset: checkpoint tiny vs config small" in message
+
+
+def test_the_ray_free_session_trains_the_same_bits_as_ray(tmp_path, dataset, reference):
+    """`tests/local_run.py` (gloo ranks on a `LocalSession`, no Ray) is what the loop-level tests run
+    on: it must train what a Ray Train run trains, bit for bit, on the same sequences, so that their
+    comparisons against the Ray reference hold."""
+    ref_cfg, _, ref_state = reference
+    cfg = make_config(tmp_path, dataset, "run.name=ref", "train.max_steps=30", "data.audit=true", *GUARDED)
+    run_id = local_run(cfg)
+    assert_same_state(final_state(cfg, 30), ref_state)
+    assert read_audit(run_root(cfg)).equals(read_audit(run_root(ref_cfg)))
+    assert_resumed(cfg.tracking.uri, run_id, [0])
+    assert metric_by_step(cfg, run_id, "train/lr") == uninterrupted_lrs(cfg.train)

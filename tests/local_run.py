@@ -1,0 +1,68 @@
+"""Ray-free runs for the loop-level tests: `world_size` gloo ranks in spawned processes, each running
+`raytrain_ft.loop.train` on a `LocalSession`.
+
+An attempt that fails (a rank raised, or a rank's process died) is followed by a new attempt of fresh
+processes, as Ray Train's group restart does, up to `failure.max_failures` restarts; the new attempt
+resumes from `<run folder>/latest_checkpoint`. What Ray adds and these runs lack: the driver's
+`failure` events and `restarts` metric (the controller callback records them), preemption notices,
+Ray Data reads (LocalSession reads the same rows with pyarrow), and elastic resizes (the test picks
+each attempt's world size). Tests that assert those run through `raytrain_ft.launch.driver.run`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+
+from raytrain_ft.config import Config, from_dict, to_dict
+from raytrain_ft.local_session import LocalSession
+from raytrain_ft.loop import train
+from raytrain_ft.run_folder import run_root
+from raytrain_ft.tracking import MlflowRecorder, flatten, start_or_resume_run
+
+# Ranks fork from one server process that imported these once (`multiprocessing` "forkserver"):
+# a spawned rank would import torch, transformers and MLflow again, ~5 s of CPU per rank and attempt.
+multiprocessing.set_forkserver_preload(["local_run"])
+
+
+class LocalRunFailed(RuntimeError):
+    """Every attempt of a local run failed."""
+
+
+def _rank(rank: int, config: dict, run_id: str, world_size: int, store: str) -> None:
+    torch.set_num_threads(1)  # as in a Ray Train worker of a fractional CPU (OMP_NUM_THREADS=1)
+    cfg = from_dict(config)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    try:
+        root = run_root(cfg.run.storage_path, cfg.run.name)
+        train(cfg, LocalSession(root, cfg.data.path, cfg.train.seed, cfg.tracking.uri, run_id))
+    finally:
+        dist.destroy_process_group()
+
+
+def local_run(cfg: Config, world_size: int | None = None) -> str:
+    """Run `cfg` to the end without Ray at `world_size` ranks (default: the config's); return the
+    MLflow run id. Raises `LocalRunFailed` once `failure.max_failures` restarts are used up."""
+    root = run_root(cfg.run.storage_path, cfg.run.name)
+    os.makedirs(root, exist_ok=True)
+    uri = cfg.tracking.uri
+    run_id = start_or_resume_run(uri, cfg.tracking.experiment, root, cfg.run.name, flatten(to_dict(cfg)))
+    n = world_size or cfg.worker_range[1]
+    errors = []
+    for _ in range(cfg.failure.max_failures + 1):
+        store = os.path.join(tempfile.mkdtemp(prefix="pg-"), "store")
+        try:
+            mp.start_processes(_rank, args=(to_dict(cfg), run_id, n, store), nprocs=n, start_method="forkserver")
+        except ProcessException as e:  # a rank raised or died: the others were terminated
+            errors.append(str(e).strip().splitlines()[-1] if str(e).strip() else repr(e))
+            continue
+        MlflowRecorder(uri, run_id).finish("FINISHED")
+        return run_id
+    MlflowRecorder(uri, run_id).finish("FAILED")
+    raise LocalRunFailed(f"run {cfg.run.name} failed {len(errors)} times: {errors}")
