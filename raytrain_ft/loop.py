@@ -286,10 +286,8 @@ class Trainer:
         auto checkpoint interval. Reads the run's past from `Session.history` only."""
         cfg, session = self.cfg, self.session
         history = session.history()  # every rank before the (collective) restore: before rank 0 adds to it
-        # replica recovery: a replacement must not delete the save a live replica is writing
-        clean = cfg.failure.recovery == "restart"
         resumed_from, loaded = restore_latest(
-            self.checkpointer, self.state, session, self.recorder, self.faults.restore_delay_s, clean
+            self.checkpointer, self.state, session, self.recorder, self.faults.restore_delay_s, self.role.cleans
         )
         if rng_key(self.rank) not in loaded:  # fresh start, or a rank added by an elastic resize
             seed_rngs(cfg.train.seed + self.progress.step, self.rank)

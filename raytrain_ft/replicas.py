@@ -97,19 +97,22 @@ class Role:
     """What one process records for the run. `attempt`: it starts the run's attempt (a fresh step
     timeline, the `attempt_start` event, the previous attempt's values sorted); `records`: it has
     a recorder (it records a step when `StepMembers.records`); `replacement`: a replica started in
-    place of a failed one while the others kept training (it starts no attempt)."""
+    place of a failed one while the others kept training (it starts no attempt); `cleans`: its
+    restore deletes uncommitted step folders (not under replica recovery: a live replica may be
+    writing one)."""
 
     attempt: bool
     records: bool
     replacement: bool
+    cleans: bool
 
 
 def role(cfg: Config, rank: int, replacement: bool) -> Role:
     """Restart recovery: rank 0 records everything. Replica recovery: every replica records the
     steps it is rank 0 of; replica 0 starts the attempt, unless it is a replacement."""
     if cfg.failure.recovery == "replica":
-        return Role(attempt=rank == 0 and not replacement, records=True, replacement=replacement)
-    return Role(attempt=rank == 0, records=rank == 0, replacement=False)
+        return Role(attempt=rank == 0 and not replacement, records=True, replacement=replacement, cleans=False)
+    return Role(attempt=rank == 0, records=rank == 0, replacement=False, cleans=True)
 
 
 class WholeGroup:
