@@ -286,12 +286,13 @@ NAN_AT_8 = "{kind: nan, step: 8, rank: 1}"
 
 
 @pytest.fixture(scope="session")
-def fsdp_ref(tmp_path_factory, dataset, ray_local):
-    """Uninterrupted 30-step FSDP run at 2 workers, dropout 0.1, a NaN loss on rank 1 at step 8 (the
-    FSDP resume, guard and resharding tests in test_sharding.py compare against it; test_export.py
-    exports it)."""
-    from raytrain_ft.launch.driver import run
+def fsdp_ref(tmp_path_factory, dataset):
+    """Uninterrupted 30-step FSDP run at 2 ranks, dropout 0.1, a NaN loss on rank 1 at step 8 (the
+    FSDP resume, guard and cross-load tests in test_sharding.py compare against it; test_export.py
+    exports it). Ray-free (`local_run`): its readers need only its files and the MLflow params and
+    tags the loop writes."""
+    from local_run import local_run
 
     cfg = make_config(tmp_path_factory.mktemp("fsdp_ref"), dataset, "run.name=fsdp", *FSDP, f"faults=[{NAN_AT_8}]")
-    run_id = run(cfg)
+    run_id = local_run(cfg)
     return cfg, run_id, final_state(cfg, 30)

@@ -1,10 +1,11 @@
-"""`raytrain-ft export` of real runs (Ray, tiny preset): `transformers` loads the folder and computes
+"""`raytrain-ft export` of real runs (tiny preset): `transformers` loads the folder and computes
 what the training model computes (`--register`: tests/unit/test_export_folder.py).
 
-The runs are the suite's shared uninterrupted 30-step runs at 2 workers (`conftest.reference`, DDP;
-`conftest.fsdp_ref`, FSDP): no training of its own. The training side of each comparison is
-restored by the project's own restore (`Checkpointer.restore`, in a one-rank gloo group); the other
-side is `transformers`' `from_pretrained` alone.
+The runs are the suite's shared uninterrupted 30-step runs at 2 workers (`conftest.reference`, DDP,
+on Ray; `conftest.fsdp_ref`, FSDP, on the Ray-free session of tests/local_run.py): no training of
+its own. The training side of each comparison is restored by the project's own restore
+(`Checkpointer.restore`, in a one-rank gloo group); the other side is `transformers`'
+`from_pretrained` alone.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Guards on a real 2-worker run: spike/NaN skips agreed by all ranks, rollback, rank check, replica fingerprints."""
+"""Guards on real 2-rank runs: spike/NaN skips agreed by all ranks, rollback, rank check, replica fingerprints.
+
+The faulted runs are Ray-free (`local_run`: gloo ranks on a `LocalSession`, restarted from the last
+commit after a failed attempt); the clean run is the session's Ray `reference`."""
 
 from __future__ import annotations
 
@@ -10,12 +13,10 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from conftest import GUARDED, assert_resumed, assert_same_state, events, final_state, make_config
+from local_run import local_run
 from raytrain_ft.checkpoint import load_model_state_dict
 from raytrain_ft.data.audit import read_audit
-from raytrain_ft.launch.driver import run
 from raytrain_ft.run_folder import step_path
-
-pytestmark = pytest.mark.usefixtures("ray_local")
 
 
 def root(cfg) -> str:
@@ -56,7 +57,7 @@ SPIKES_AND_RANK_CHECK = [
 @pytest.fixture(scope="module")
 def spikes_run(tmp_path_factory, dataset):
     cfg = make_config(tmp_path_factory.mktemp("spikes"), dataset, *SPIKES_AND_RANK_CHECK)
-    return cfg, run(cfg)
+    return cfg, local_run(cfg)
 
 
 def test_one_rank_spikes_are_skipped_everywhere_and_history_survives_restart(spikes_run):
@@ -103,7 +104,7 @@ def test_bitflip_is_detected_and_the_run_restarts_from_a_clean_checkpoint(tmp_pa
         *GUARDED,
         "faults=[{kind: bitflip, step: 15, rank: 1}, {kind: bitflip, step: 26, rank: 1}]",
     )
-    run_id = run(cfg)
+    run_id = local_run(cfg)
     assert [e["step"] for e in events(cfg.tracking.uri, run_id, "replica_mismatch")] == [15, 28]
     assert_resumed(cfg.tracking.uri, run_id, [0, 10, 25])
     assert_same_state(final_state(cfg, 30), reference[2])
@@ -112,7 +113,7 @@ def test_bitflip_is_detected_and_the_run_restarts_from_a_clean_checkpoint(tmp_pa
 def test_persistent_spikes_roll_back_and_skip_the_data_window(tmp_path, dataset):
     faults = "faults=[{kind: spike, step: 120, rank: -1, steps: 5}]"
     cfg = make_config(tmp_path, dataset, "train.max_steps=130", "data.audit=true", faults)
-    run_id = run(cfg)
+    run_id = local_run(cfg)
     rollbacks = events(cfg.tracking.uri, run_id, "rollback")
     assert len(rollbacks) == 1
     assert rollbacks[0]["at_step"] == 124 and rollbacks[0]["to_step"] == 115  # last checkpoint before step 120

@@ -1,7 +1,9 @@
-"""Sharded data parallelism on real Ray runs (2-3 gloo workers, tiny preset, FSDP2 on CPU).
+"""Sharded data parallelism on real runs (2-4 gloo ranks, tiny preset, FSDP2 on CPU).
 
-One uninterrupted FSDP run (`conftest.fsdp_ref`, with a NaN on rank 1 at step 8) is shared by the
-resume and guard tests (resharding across world sizes: test_data_resume.py).
+The runs are Ray-free (`local_run`: gloo ranks on a `LocalSession`, restarted from the last commit
+after a failed attempt), except the DDP `reference` the cross-load test reads. One uninterrupted
+FSDP run (`conftest.fsdp_ref`, with a NaN on rank 1 at step 8) is shared by the resume and guard
+tests (resharding across world sizes: test_data_resume.py).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import (
@@ -27,9 +28,7 @@ from conftest import (
     metric_by_step,
     run_root,
 )
-from raytrain_ft.launch.driver import run
-
-pytestmark = pytest.mark.usefixtures("ray_local")
+from local_run import local_run
 
 
 def test_fsdp_run_resumes_bitwise_after_a_kill_and_skips_a_one_rank_nan_everywhere(tmp_path, dataset, fsdp_ref):
@@ -37,7 +36,7 @@ def test_fsdp_run_resumes_bitwise_after_a_kill_and_skips_a_one_rank_nan_everywhe
     cfg = make_config(
         tmp_path, dataset, "run.name=fsdp", *FSDP, f"faults=[{NAN_AT_8}, {{kind: kill, step: 17, rank: 1}}]"
     )
-    run_id = run(cfg)
+    run_id = local_run(cfg)
     assert_resumed(cfg.tracking.uri, run_id, [0, 15])
     assert_same_state(final_state(cfg, 30), ref_state)
     loss, ref_loss = metric_by_step(cfg, run_id, "train/loss"), metric_by_step(ref_cfg, ref_run, "train/loss")
@@ -85,9 +84,9 @@ HSDP_20 = [
 
 def test_hsdp_bitflip_in_one_shard_is_caught_across_replicas_and_the_restart_ends_clean(tmp_path, dataset):
     clean = make_config(tmp_path / "clean", dataset, *HSDP_20)
-    clean_run = run(clean)
+    clean_run = local_run(clean)
     cfg = make_config(tmp_path / "flip", dataset, *HSDP_20, "faults=[{kind: bitflip, step: 12, rank: 3}]")
-    run_id = run(cfg)
+    run_id = local_run(cfg)
     [alert] = events(cfg.tracking.uri, run_id, "replica_mismatch")
     assert alert["step"] == 15
     (s0, c0), (s1, c1), (s2, c2), (s3, c3) = alert["shard_checksum_by_rank"]
