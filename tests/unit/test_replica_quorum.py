@@ -17,7 +17,7 @@ import torch.distributed as dist
 from raytrain_ft.config import FingerprintSection, GuardsSection, RankCheckSection, load_config
 from raytrain_ft.data.audit import DataAudit
 from raytrain_ft.data.position import BatchPlan, DataPosition
-from raytrain_ft.guards import RankChecks, ReplicaMismatchError, SpikeGuard, replica_checksum
+from raytrain_ft.guards import RankChecks, RankSpreadError, ReplicaMismatchError, SpikeGuard, replica_checksum
 from raytrain_ft.parallel import Parallel
 from raytrain_ft.recorder import Gated, NullRecorder, Recorder
 from raytrain_ft.replicas import Replicas, Share, flat_optimizer_state, state_digest
@@ -122,6 +122,7 @@ class Replica:
         replacement: bool = False,
         skip_at: tuple = (),
         fingerprint_every: int = 1000,
+        rank_check_every: int = 1000,
     ):
         torch.manual_seed(0)  # every replica initialises the same weights
         self.model = torch.nn.Linear(3, 1)
@@ -142,12 +143,13 @@ class Replica:
         self.skipped: list[int] = []
         # the loop's guards over the replicas, recording as the loop's step recorder does
         guards = GuardsSection(
-            rank_check=RankCheckSection(interval_steps=1000),
+            rank_check=RankCheckSection(interval_steps=rank_check_every),
             fingerprint=FingerprintSection(interval_steps=fingerprint_every),
             on_alert="restart",
         )
         recorder = Gated(self.recorder, lambda: self.replicas.records)
         self.checks = RankChecks(guards, self.par, lambda: self.replicas, recorder, settle=lambda: None)
+        self.loss = 1.0  # the loss this replica hands the rank check
         self.fingerprints: list[tuple[int, list]] = []  # (step, the [shard, checksum] rows compared)
         gather = self.replicas.gather
 
@@ -181,7 +183,7 @@ class Replica:
             self.progress.step += 1
             self.position.advance(g, steps_per_epoch=100)
             self.participants.append(share.plan.world_size)
-            self.checks.monitor(step, 0.0, 1.0)  # the fingerprint at its interval, across the replicas
+            self.checks.monitor(step, self.loss, 1.0)  # the rank check and fingerprint, across the replicas
         self.optimizer.zero_grad(set_to_none=True)
 
 
@@ -354,5 +356,24 @@ def test_a_bit_flipped_in_one_replica_is_caught_by_the_fingerprint_on_both_repli
     assert rows_a == rows_b and len(rows_a) == 2 and rows_a[0][1] != rows_a[1][1]
     events = [e for r in (a, b) for e in r.recorder.events if e["kind"] == "replica_mismatch"]
     assert events == [{"kind": "replica_mismatch", "step": 6, "shard_checksum_by_rank": rows_a}]
+    for r in (a, b):
+        r.replicas.manager.shutdown(wait=False)
+
+
+def test_a_tenfold_loss_on_one_replica_is_a_rank_spread_alert_on_both(lighthouse, process_group):
+    """The rank check compares the participants' [loss, grad norm] rows: replica b's loss is ten
+    times a's from step 3 on; at the next interval, step 4, both raise `RankSpreadError`."""
+    cfg = load_config(None, ["failure.recovery=replica", "train.global_batch_size=4", "train.micro_batch_size=1"])
+    data = torch.randn(40, 3)
+    a = Replica(cfg, 0, data, rank_check_every=2)
+    lighthouse()
+    b = Replica(cfg, 1, data, rank_check_every=2)
+    assert train_together((a, b), until=2) == [None, None]  # equal losses at step 2: no alert
+    b.loss = 10.0
+    raised = train_together((a, b), until=9)
+    assert all(isinstance(e, RankSpreadError) and str(e).startswith("step 4: rank_spread") for e in raised), raised
+    events = [e for r in (a, b) for e in r.recorder.events if e["kind"] == "rank_spread"]
+    assert len(events) == 1 and events[0]["step"] == 4
+    assert sorted(events[0]["loss_grad_norm_by_rank"]) == [[1.0, 1.0], [10.0, 1.0]]
     for r in (a, b):
         r.replicas.manager.shutdown(wait=False)
