@@ -13,7 +13,10 @@
   Under DDP every rank is a replica; under HSDP the ranks holding the same shard index (one per
   replica group) are compared (`replica_mismatch`); under FSDP there are no replicas and the check
   does not apply (see `raytrain_ft.parallel`).
-* `RankChecks`: the loop's rank check and replica fingerprint at their intervals, and their alerts.
+* `RankChecks`: the loop's rank check and replica fingerprint at their intervals, and their alerts,
+  over the step's members (`raytrain_ft.replicas`' `StepMembers.gather`): every rank of the process
+  group under restart recovery; the participants of the step's torchft quorum under replica
+  recovery, where every replica holds the full model and the fingerprint compares the replicas.
 """
 
 from __future__ import annotations
@@ -24,10 +27,9 @@ import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-import torch.distributed as dist
 
 from raytrain_ft.config import GuardsSection
 
@@ -121,17 +123,23 @@ class RollbackLog:
         self.rollbacks = list(state["rollbacks"])
 
 
+class Members(Protocol):
+    """What `RankChecks` needs of the step's members (`raytrain_ft.replicas.StepMembers`)."""
+
+    saves_together: bool
+
+    def gather(self, row: torch.Tensor) -> torch.Tensor:
+        """`row` (width,) of every member, stacked: (members, width) (a collective)."""
+        ...
+
+    def holds_copies(self, par: Parallel) -> bool:
+        """Whether members hold copies of the same weights (the replica fingerprint applies)."""
+        ...
+
+
 def rank_spread(rows: torch.Tensor) -> torch.Tensor:
     """Relative spread per column of a (world_size, k) float tensor -> (k,) float tensor."""
     return (rows.max(0).values - rows.min(0).values) / (rows.mean(0).abs() + 1e-9)
-
-
-def gather_rows(values: list, group: dist.ProcessGroup, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """all_gather of one row per rank -> (world_size, len(values)) of `dtype`, on every rank."""
-    row = torch.tensor(values, dtype=dtype)
-    rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(rows, row, group=group)
-    return torch.stack(rows)
 
 
 def replica_mismatch(rows: torch.Tensor) -> bool:
@@ -147,7 +155,7 @@ def spread_alert(rows: torch.Tensor, max_spread: float) -> dict | None:
     """The `rank_spread` alert's detail, or None when every column's spread is at most `max_spread`.
 
     Args:
-        rows: float64 (world_size, 2), one `[local loss, grad norm]` row per rank (`gather_rows`).
+        rows: float64 (world_size, 2), one `[local loss, grad norm]` row per member (`Members.gather`).
         max_spread: `guards.rank_check.max_spread` (relative, see `rank_spread`).
 
     A NaN spread (a NaN loss) is not an alert here: the spike guard skips that step.
@@ -180,9 +188,10 @@ def replica_checksum(tensors: list[torch.Tensor]) -> int:
 class RankChecks:
     """`guards.rank_check` and `guards.fingerprint` at their intervals, and the alerts they raise.
 
-    Collectives on `group`: every rank calls them at the same steps and reaches the same decision.
-    An alert is logged on every rank and recorded (`recorder`: rank 0's records) as an event and a
-    `rank_alerts` metric; under `guards.on_alert: restart` every rank calls `settle` (an in-flight,
+    Collectives over the step's members (`members()`: the loop's `StepMembers`, built after this):
+    every member calls them at the same steps and reaches the same decision. An alert is logged on
+    every member and recorded (`recorder`: the step's recording member) as an event and a
+    `rank_alerts` metric; under `guards.on_alert: restart` every member calls `settle` (an in-flight,
     checked checkpoint commits first: less work lost) and raises the alert's `GuardError`
     (`RankSpreadError`, `ReplicaMismatchError`).
     """
@@ -191,36 +200,54 @@ class RankChecks:
         self,
         cfg: GuardsSection,
         par: Parallel,
-        group: dist.ProcessGroup,
+        members: Callable[[], Members],
         recorder: Recorder,
         settle: Callable[[], object],
     ):
-        self.cfg, self.par, self.group, self.recorder, self.settle = cfg, par, group, recorder, settle
+        self.cfg, self.par, self.members, self.recorder, self.settle = cfg, par, members, recorder, settle
+        self.diverged = False  # the last fingerprint found a mismatch
+
+    def tags(self) -> dict[str, str]:
+        """MLflow tag `replica_fingerprint`: whether the fingerprint applies."""
+        on = self.members().holds_copies(self.par)
+        return {"replica_fingerprint": "on" if on else "not applicable (fsdp: no two ranks hold the same weights)"}
 
     def monitor(self, step: int, local_loss: float, grad_norm: float) -> None:
-        """Cross-rank sanity check and replica fingerprint at their intervals."""
+        """Cross-member sanity check and replica fingerprint at their intervals."""
         g = self.cfg
         if step % g.rank_check.interval_steps == 0:
-            detail = spread_alert(gather_rows([local_loss, grad_norm], self.group), g.rank_check.max_spread)
+            rows = self.members().gather(torch.tensor([local_loss, grad_norm], dtype=torch.float64))
+            detail = spread_alert(rows, g.rank_check.max_spread)
             if detail is not None:
                 self.alert(step, "rank_spread", detail)
         if step % g.fingerprint.interval_steps == 0:
             self.check_replicas(step)
 
+    def fit_to_save(self, step: int) -> bool:
+        """Before a save, on the members that save: the fingerprint, when every member reaches the
+        save (a collective); else (one replica saves alone, `saves_together` False) the verdict of
+        the last fingerprint across the members, at its interval."""
+        if self.members().saves_together:
+            return self.check_replicas(step)
+        return not self.diverged
+
     def check_replicas(self, step: int) -> bool:
-        """Compare the checksums of the same shard across replicas; alert on a mismatch. True if
-        consistent, and under fsdp (no replicas: not applicable, tagged in MLflow at the start)."""
-        if not self.par.has_replicas:
+        """Compare the checksums of the same shard across the members holding copies of it; alert
+        on a mismatch. True if consistent, and under fsdp (no replicas: not applicable, tagged in
+        MLflow at the start)."""
+        members = self.members()
+        if not members.holds_copies(self.par):
             return True
-        row = [self.par.shard_index, replica_checksum(self.par.local_parameters())]
-        detail = mismatch_alert(gather_rows(row, self.group, dtype=torch.int64))
+        row = torch.tensor([self.par.shard_index, replica_checksum(self.par.local_parameters())], dtype=torch.int64)
+        detail = mismatch_alert(members.gather(row))
+        self.diverged = detail is not None
         if detail is None:
             return True
         self.alert(step, "replica_mismatch", detail)
         return False
 
     def alert(self, step: int, kind: str, detail: dict) -> None:
-        """Every rank calls this with the same decision: log it; under `restart`, raise."""
+        """Every member calls this with the same decision: log it; under `restart`, raise."""
         log.error("step %d: %s alert: %s", step, kind, detail)
         self.recorder.event(kind, step=step, **detail)
         self.recorder.metrics(step, {"rank_alerts": 1})

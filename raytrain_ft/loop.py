@@ -9,7 +9,7 @@ over its `grad_accum_steps` passes -> gradient reduction across replicas -> clip
 -> spike guard, one decision for every member -> commit or train the step again -> wait for the
 checkpoint snapshot -> optimizer step or skip -> LR scheduler -> advance the data
 position -> held-out validation at its interval (`validation`) -> rank check and replica fingerprint
-at their intervals -> roll back after persistent spikes, else save. Who trains a step, the
+at their intervals, across the step's members -> roll back after persistent spikes, else save. Who trains a step, the
 split, the gradient reduction across replicas, the agreed skip and whether the step counts are the
 step members' (`replicas`: the whole group under restart recovery, a torchft quorum of replicas under replica
 recovery); the loop calls them the same way in both modes.
@@ -248,7 +248,7 @@ class Trainer:
 
         self.checkpointer = Checkpointer(session.run_root, self._commit)
         self.group = self.checkpointer.control_group  # CPU gloo group for guard collectives
-        self.checks = RankChecks(cfg.guards, self.par, self.group, self.step_recorder, self.settle)
+        self.checks = RankChecks(cfg.guards, self.par, lambda: self.members, self.step_recorder, self.settle)
         self.validation = Validation(
             cfg.validation, cfg.data.path, self.manifest, self.plan, self.rank, self.par, self.group, self.device
         )
@@ -328,7 +328,7 @@ class Trainer:
             "init_started_at": self.init_started_at,
         }
         history.record({"kind": "attempt_start", **start})
-        self.attempt_recorder.tags(self.par.tags())
+        self.attempt_recorder.tags(self.par.tags() | self.checks.tags())
         self.attempt_recorder.metrics(
             self.progress.step,
             {
@@ -429,7 +429,7 @@ class Trainer:
         self.save_due |= self.schedule.due(step) and not (self.schedule.auto and self.checkpointer.pending)
         final = step == self.cfg.train.max_steps
         if (self.save_due and self.guard.consecutive == 0) or final:
-            if self.members.saves and (self.checks.check_replicas(step) or final):
+            if self.members.saves and (self.checks.fit_to_save(step) or final):
                 self.checkpointer.save(step, self.state, write_delay_s=self.faults.save_delay_s(step))
                 self.faults.after_save_started(step)
             self.schedule.saved(step)  # after a failed replica check too: the next try is an interval later

@@ -140,13 +140,11 @@ class Parallel:
         return self.replicas > 1
 
     def tags(self) -> dict[str, str]:
-        """MLflow tags: the strategy, the mesh, and whether the replica fingerprint applies."""
+        """MLflow tags: the strategy and the mesh (whether the replica fingerprint applies:
+        `guards.RankChecks.tags`, since under replica recovery the replicas are other process groups)."""
         return {
             "parallel.strategy": self.strategy,
             "parallel.mesh": f"{self.replicas} replicas x {self.shard_size} shards",
-            "replica_fingerprint": "on"
-            if self.has_replicas
-            else "not applicable (fsdp: no two ranks hold the same weights)",
         }
 
     def local_parameters(self) -> list[torch.Tensor]:

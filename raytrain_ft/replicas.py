@@ -3,9 +3,13 @@
 The loop asks its `StepMembers` five things per optimizer step, whatever the recovery mode:
 `begin()` (this step's `Share`: the batch split and this rank's place in it), `reduce(par)` after
 the forward/backward passes, `agree(step, loss, skip)` (the members' summed loss and one spike-guard
-decision for all of them), `commit()` before the optimizer step, and `gather(ids)` for the data
-audit; `saves` and `records` say whether this rank writes the step's checkpoint and records its
-metrics. Two implementations:
+decision for all of them), `commit()` before the optimizer step, and `gather(row)` for the data
+audit and the guards' cross-member checks (`guards.RankChecks`: the rank-spread check and the
+replica fingerprint compare the rows of every member of the step); `saves` and `records` say
+whether this rank writes the step's checkpoint and records its metrics, `holds_copies(par)` whether
+the members hold copies of the same weights (the fingerprint applies) and `saves_together` whether
+every member reaches each save (the fingerprint before a save is a collective then). Two
+implementations:
 
 * `WholeGroup` (`failure.recovery: restart`): every rank of the process group trains every step
   with the same split; the strategy (DDP, FSDP) already reduced the gradients; the ranks' guard
@@ -33,6 +37,22 @@ metrics. Two implementations:
   4. `commit` is `Manager.should_commit`: False when a peer failed during the step (the all-reduce
      errored) or too few replicas took part. The loop then neither steps the optimizer nor
      advances the data position: the step is trained again, same sequences, by the next quorum.
+  5. The guards compare across the participants: `gather` is an all-reduce over the quorum's
+     replica group, so the rank-spread check sees every participant's [loss, grad norm] and the
+     replica fingerprint every participant's weight checksum (each replica holds the full model:
+     `holds_copies`). A replica whose weights differ from its peers' (a heal that was not bitwise,
+     a flipped bit) raises the same `replica_mismatch` alert on every participant as a DDP rank
+     would under restart recovery. The fingerprint runs at `guards.fingerprint.interval_steps` (every
+     participant of a committed step, a schedule they share); before a save only the saver runs
+     (`saves_together` is False: each replica plans its saves alone, so a collective there could
+     pair with a peer's next step), and it saves only if the last cross-replica fingerprint passed.
+
+  Validation is not split across replicas: each replica evaluates the whole validation set in its
+  own group of one (`validation.Validation` with world size 1). That costs P times the compute of a
+  split, but needs no collective across replicas after the commit (a peer failing there would leave
+  a committed step without its validation, and a split would change with every quorum's size and
+  re-read the set); the replicas hold equal weights (the fingerprint checks it), so their val_loss is
+  the same value and the step's recording replica records it.
 
   The Manager's own state (its step) is the progress step: set from it after a restore, carried
   by the heal; it is not a separate checkpoint component.
@@ -119,6 +139,7 @@ class WholeGroup:
     """`failure.recovery: restart`: every rank of the process group, every step (module doc)."""
 
     saves = True  # every rank writes its part of each checkpoint
+    saves_together = True  # every rank reaches each save: the fingerprint before it is a collective
     records = True  # rank 0's recorder records (the others' is a `NullRecorder`)
     recovering_s = 0.0  # a failure restarts the group: nothing of a step is lost to it while training
 
@@ -146,11 +167,15 @@ class WholeGroup:
     def commit(self) -> bool:
         return True
 
-    def gather(self, ids: torch.Tensor) -> torch.Tensor:
-        """`ids` (width,) of every rank, stacked: (world size, width), same dtype (a collective)."""
-        gathered = [torch.empty_like(ids) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(gathered, ids, group=self.group)
+    def gather(self, row: torch.Tensor) -> torch.Tensor:
+        """`row` (width,) of every rank, stacked: (world size, width), same dtype (a collective)."""
+        gathered = [torch.empty_like(row) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(gathered, row, group=self.group)
         return torch.stack(gathered)
+
+    def holds_copies(self, par: Parallel) -> bool:
+        """Whether ranks hold copies of the same weights: ddp, hsdp (each shard across replica groups)."""
+        return par.has_replicas
 
     def finish(self, run_root: str) -> None:
         pass
@@ -291,14 +316,27 @@ class Replicas:
         self.joined = True
         return True
 
-    def gather(self, ids: torch.Tensor) -> torch.Tensor:
-        """`ids` (width,) int64 of every participant, stacked by participant rank: (P, width). An
-        all-reduce (the Manager has no all-gather): each participant fills its own row, zeros elsewhere."""
+    saves_together = False  # the step's rank 0 saves alone, on its own schedule (module doc)
+
+    def gather(self, row: torch.Tensor) -> torch.Tensor:
+        """`row` (width,) int64 or float64 of every participant, stacked by participant rank:
+        (P, width). An all-reduce SUM over the quorum (the Manager has no all-gather): each
+        participant fills its own row, zeros elsewhere (exact: x + 0 is x). When the all-reduce
+        fails (a peer died; the Manager is errored until the next quorum) only this participant's
+        row is known: (1, width), so a check compares nothing instead of zeros (a step whose audit
+        gather fails does not commit and is recorded again)."""
         assert self.share is not None, "gather after begin()"
-        rows = torch.zeros((self.share.plan.world_size, len(ids)), dtype=ids.dtype)
-        rows[self.share.rank] = ids
+        rows = torch.zeros((self.share.plan.world_size, len(row)), dtype=row.dtype)
+        rows[self.share.rank] = row
         self.manager.allreduce(rows, reduce_op=dist.ReduceOp.SUM).wait()
+        if self.manager.errored() is not None:
+            log.warning("replica %d: a gather across the replicas failed: only this replica's row", self.replica_index)
+            return row[None].clone()
         return rows
+
+    def holds_copies(self, par: Parallel) -> bool:
+        """True: every replica holds the full model (one worker per replica group)."""
+        return True
 
     def finish(self, run_root: str) -> None:
         """After the last step: record this replica's `state_digest` of its model and optimizer in

@@ -17,6 +17,13 @@ sequences whatever W is (equal up to float rounding across world sizes and strat
 passes group the sequences differently; bitwise equal for the same W and strategy).
 `val_perplexity = exp(val_loss)`.
 
+Under `failure.recovery: replica` it is not split across replicas: each replica validates the whole
+set in its own group of one (W = 1). Wasteful (P times the compute) but correct, and it needs no
+collective across replicas after a step commits (a peer failing there would leave the committed step
+without its validation; a split would change with every quorum's size and re-read the set); the
+replicas hold equal weights (the replica fingerprint checks it), so each computes the same
+`val_loss`, and the step's recording replica records it.
+
 Runs on every rank under the run's strategy, under `torch.no_grad()` and `model.eval()` (dropout
 off, so no random numbers are drawn and training after a validation is the one without it), train
 mode restored after. The rank's share is read once, at the first validation, with pyarrow (a

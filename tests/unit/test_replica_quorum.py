@@ -1,7 +1,9 @@
 """`replicas.Replicas` against a real torchft lighthouse and Managers in this process (no Ray): the
 step's share comes from the quorum, the gradient reduction, the loss and skip agreement, the
 audit's gather, the commit, the final digest record, a replica that joins late healing from its
-peer's memory, and the replica events. The Ray Train run with its SIGKILLs: tests/test_replicas.py."""
+peer's memory, the replica events, and the guards' checks across the replicas (the fingerprint
+proves a healed replica equals its peer and catches a flipped bit on both). The Ray Train run with
+its SIGKILLs: tests/test_replicas.py."""
 
 import json
 import socket
@@ -12,12 +14,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raytrain_ft.config import load_config
+from raytrain_ft.config import FingerprintSection, GuardsSection, RankCheckSection, load_config
 from raytrain_ft.data.audit import DataAudit
 from raytrain_ft.data.position import BatchPlan, DataPosition
-from raytrain_ft.guards import SpikeGuard
+from raytrain_ft.guards import RankChecks, RankSpreadError, ReplicaMismatchError, SpikeGuard, replica_checksum
 from raytrain_ft.parallel import Parallel
-from raytrain_ft.recorder import NullRecorder, Recorder
+from raytrain_ft.recorder import Gated, NullRecorder, Recorder
 from raytrain_ft.replicas import Replicas, Share, flat_optimizer_state, state_digest
 from raytrain_ft.train_state import (
     KEY_DATA,
@@ -112,7 +114,16 @@ class Replica:
     """A replica's model, optimizer, progress and spike guard, and the loop's step reduced to its
     replica calls. `skip_at`: steps at which this replica's guard judges the step a skip."""
 
-    def __init__(self, cfg, index: int, data: torch.Tensor, replacement: bool = False, skip_at: tuple = ()):
+    def __init__(
+        self,
+        cfg,
+        index: int,
+        data: torch.Tensor,
+        replacement: bool = False,
+        skip_at: tuple = (),
+        fingerprint_every: int = 1000,
+        rank_check_every: int = 1000,
+    ):
         torch.manual_seed(0)  # every replica initialises the same weights
         self.model = torch.nn.Linear(3, 1)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.1)
@@ -130,6 +141,25 @@ class Replica:
         self.par = Parallel("ddp", self.model, self.model, 1, 1, 0, False)
         self.participants: list[int] = []
         self.skipped: list[int] = []
+        # the loop's guards over the replicas, recording as the loop's step recorder does
+        guards = GuardsSection(
+            rank_check=RankCheckSection(interval_steps=rank_check_every),
+            fingerprint=FingerprintSection(interval_steps=fingerprint_every),
+            on_alert="restart",
+        )
+        recorder = Gated(self.recorder, lambda: self.replicas.records)
+        self.checks = RankChecks(guards, self.par, lambda: self.replicas, recorder, settle=lambda: None)
+        self.loss = 1.0  # the loss this replica hands the rank check
+        self.fingerprints: list[tuple[int, list]] = []  # (step, the [shard, checksum] rows compared)
+        gather = self.replicas.gather
+
+        def spied(row: torch.Tensor) -> torch.Tensor:
+            rows = gather(row)
+            if row.dtype == torch.int64 and len(row) == 2:  # a fingerprint row (the audit's are 4 wide)
+                self.fingerprints.append((self.progress.step, rows.tolist()))
+            return rows
+
+        self.replicas.gather = spied  # type: ignore[method-assign]
 
     def step(self) -> None:
         time.sleep(STEP_S)
@@ -153,6 +183,7 @@ class Replica:
             self.progress.step += 1
             self.position.advance(g, steps_per_epoch=100)
             self.participants.append(share.plan.world_size)
+            self.checks.monitor(step, self.loss, 1.0)  # the rank check and fingerprint, across the replicas
         self.optimizer.zero_grad(set_to_none=True)
 
 
@@ -255,5 +286,94 @@ def test_a_skip_judged_by_one_replica_is_every_replicas_skip(lighthouse, process
     for key in (KEY_MODEL, KEY_OPTIM):
         ours, theirs = dict(flat(a.state, key)), dict(flat(b.state, key))
         assert ours and all(torch.equal(ours[k], theirs[k]) for k in ours), key
+    for r in (a, b):
+        r.replicas.manager.shutdown(wait=False)
+
+
+def train_together(replicas: tuple, until: int) -> list:
+    """Each replica's steps in its own thread until its step is `until`; each thread's exception or None."""
+
+    def run(r: Replica) -> BaseException | None:
+        try:
+            while r.progress.step < until:
+                r.step()
+        except Exception as e:  # noqa: BLE001 - the test asserts what each replica raised
+            return e
+        return None
+
+    with ThreadPoolExecutor(len(replicas)) as pool:
+        return [f.result() for f in [pool.submit(run, r) for r in replicas]]
+
+
+def test_the_fingerprint_after_a_heal_compares_the_healed_replica_with_its_peer_and_passes(lighthouse, process_group):
+    """A late joiner heals from its peer: the fingerprint at every interval after it joined compares
+    both replicas' checksums (two rows, equal) and raises nothing, under `on_alert: restart`."""
+    cfg = load_config(None, ["failure.recovery=replica", "train.global_batch_size=4", "train.micro_batch_size=1"])
+    data = torch.randn(40, 3)
+    a = Replica(cfg, 0, data, fingerprint_every=2)
+    for _ in range(3):
+        a.step()
+    lighthouse()
+    b = Replica(cfg, 1, data, replacement=True, fingerprint_every=2)
+    assert train_together((a, b), until=8) == [None, None]
+    joint = len(b.participants)
+    assert joint >= 2 and a.participants[-joint:] == [2] * joint
+    first = 8 - joint + 1  # b's first committed step
+    checked = [s for s in range(first, 9) if s % 2 == 0]
+    assert checked, "no fingerprint interval after the heal"
+    for r in (a, b):  # both replicas compared both rows at every interval after the heal: equal
+        together = [(s, rows) for s, rows in r.fingerprints if s >= first]
+        assert [s for s, _ in together] == checked
+        assert all(len(rows) == 2 and rows[0] == rows[1] for _, rows in together), together
+    assert a.fingerprints[-1] == b.fingerprints[-1]
+    assert not [e for r in (a, b) for e in r.recorder.events if e["kind"] == "replica_mismatch"]
+    for r in (a, b):
+        r.replicas.manager.shutdown(wait=False)
+
+
+def test_a_bit_flipped_in_one_replica_is_caught_by_the_fingerprint_on_both_replicas(lighthouse, process_group):
+    """Both replicas train steps 1-4 (the fingerprint at 3 passes); one bit of replica b's weights
+    flips after step 4; at the next interval, step 6, both replicas raise `ReplicaMismatchError`
+    (`on_alert: restart`) with both checksums, and the step's recording replica records one
+    `replica_mismatch` event with them."""
+    cfg = load_config(None, ["failure.recovery=replica", "train.global_batch_size=4", "train.micro_batch_size=1"])
+    data = torch.randn(40, 3)
+    a = Replica(cfg, 0, data, fingerprint_every=3)
+    lighthouse()
+    b = Replica(cfg, 1, data, fingerprint_every=3)
+    assert train_together((a, b), until=4) == [None, None]
+    assert a.participants[-2:] == b.participants[-2:] == [2, 2]
+    assert [s for s, _ in a.fingerprints] == [s for s, _ in b.fingerprints] == [3]
+    with torch.no_grad():
+        b.model.weight.view(torch.int32)[0, 0] ^= 1  # the lowest mantissa bit of one weight
+    assert replica_checksum(b.par.local_parameters()) != replica_checksum(a.par.local_parameters())
+
+    raised = train_together((a, b), until=9)
+    assert all(isinstance(e, ReplicaMismatchError) for e in raised), raised
+    assert all(str(e).startswith("step 6: replica_mismatch") for e in raised), raised
+    assert a.progress.step == b.progress.step == 6  # caught at the first interval after the flip
+    (_, rows_a), (_, rows_b) = a.fingerprints[-1], b.fingerprints[-1]
+    assert rows_a == rows_b and len(rows_a) == 2 and rows_a[0][1] != rows_a[1][1]
+    events = [e for r in (a, b) for e in r.recorder.events if e["kind"] == "replica_mismatch"]
+    assert events == [{"kind": "replica_mismatch", "step": 6, "shard_checksum_by_rank": rows_a}]
+    for r in (a, b):
+        r.replicas.manager.shutdown(wait=False)
+
+
+def test_a_tenfold_loss_on_one_replica_is_a_rank_spread_alert_on_both(lighthouse, process_group):
+    """The rank check compares the participants' [loss, grad norm] rows: replica b's loss is ten
+    times a's from step 3 on; at the next interval, step 4, both raise `RankSpreadError`."""
+    cfg = load_config(None, ["failure.recovery=replica", "train.global_batch_size=4", "train.micro_batch_size=1"])
+    data = torch.randn(40, 3)
+    a = Replica(cfg, 0, data, rank_check_every=2)
+    lighthouse()
+    b = Replica(cfg, 1, data, rank_check_every=2)
+    assert train_together((a, b), until=2) == [None, None]  # equal losses at step 2: no alert
+    b.loss = 10.0
+    raised = train_together((a, b), until=9)
+    assert all(isinstance(e, RankSpreadError) and str(e).startswith("step 4: rank_spread") for e in raised), raised
+    events = [e for r in (a, b) for e in r.recorder.events if e["kind"] == "rank_spread"]
+    assert len(events) == 1 and events[0]["step"] == 4
+    assert sorted(events[0]["loss_grad_norm_by_rank"]) == [[1.0, 1.0], [10.0, 1.0]]
     for r in (a, b):
         r.replicas.manager.shutdown(wait=False)
