@@ -1,4 +1,6 @@
-"""Exactly-once data across restarts, world-size changes and epoch boundaries (real Ray, audit on).
+"""Exactly-once data across restarts, world-size changes and epoch boundaries (audit on), on the
+Ray-free session (`tests/local_run.py`: gloo ranks on a `LocalSession`, pyarrow reads). The Ray Data
+path across world sizes, with every step's sample ids, is test_elastic.py's.
 
 What exactly-once means is computed from the order alone (`expected_step_ids`: step s of an epoch
 takes global batch s of that epoch's permutation) and the LR from the schedule alone
@@ -14,10 +16,8 @@ import pyarrow.compute as pc
 import pytest
 
 from conftest import assert_resumed, expected_step_ids, make_config, metric_by_step, uninterrupted_lrs
+from local_run import LocalRunFailed, local_run
 from raytrain_ft.data.audit import read_audit
-from raytrain_ft.launch.driver import RunFailed, run
-
-pytestmark = pytest.mark.usefixtures("ray_local")
 
 
 def root(cfg) -> str:
@@ -38,12 +38,14 @@ def test_resume_at_another_world_size_keeps_every_step(tmp_path, dataset):
     faults = "faults=[{kind: raise, step: 21, rank: 0}, {kind: raise, step: 31, rank: 0}]"
     common = ["run.name=ws", "train.max_steps=49", "train.global_batch_size=12", "data.audit=true", faults]
     common.append("parallel.strategy=fsdp")
-    with pytest.raises(RunFailed):  # 2 workers, checkpoint at 20 committed, then the job dies
-        run(make_config(tmp_path, dataset, *common, "failure.max_failures=0"))
-    with pytest.raises(RunFailed):  # 3 workers from 20, checkpoint at 30 committed, then the job dies
-        run(make_config(tmp_path, dataset, *common, "failure.max_failures=0", "scaling.num_workers=3"))
+    with pytest.raises(LocalRunFailed, match="InjectedFault"):  # 2 workers, checkpoint at 20 committed, then dies
+        local_run(make_config(tmp_path, dataset, *common, "failure.max_failures=0"), world_size=2)
+    with pytest.raises(LocalRunFailed, match="InjectedFault"):  # 3 workers from 20, 30 committed, then dies
+        local_run(
+            make_config(tmp_path, dataset, *common, "failure.max_failures=0", "scaling.num_workers=3"), world_size=3
+        )
     cfg = make_config(tmp_path, dataset, *common, "scaling.num_workers=1")
-    run_id = run(cfg)
+    run_id = local_run(cfg, world_size=1)
     attempts = assert_resumed(cfg.tracking.uri, run_id, [0, 20, 30])  # resumed, not re-run from 0
     assert [a["world_size"] for a in attempts] == [2, 3, 1]
     steps = ids_by_step(cfg)
@@ -64,7 +66,7 @@ def test_resume_at_epoch_boundary_and_mid_second_epoch(tmp_path, dataset):
     common = ["train.max_steps=120", "checkpoint.interval_steps=37", "data.audit=true"]
     faults = "faults=[{kind: kill, step: 75, rank: 0}, {kind: kill, step: 115, rank: 1}]"
     cfg = make_config(tmp_path, dataset, "run.name=epochs", *common, faults)
-    run_id = run(cfg)
+    run_id = local_run(cfg)
     assert_resumed(cfg.tracking.uri, run_id, [0, 74, 111])  # exactly at the boundary, then 37 steps into epoch 2
     assert metric_by_step(cfg, run_id, "train/lr") == uninterrupted_lrs(cfg.train)
 

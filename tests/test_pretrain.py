@@ -18,14 +18,13 @@ from conftest import (
     make_config,
     metric_by_step,
     run_root,
-    step_dirs,
     uninterrupted_lrs,
 )
-from local_run import local_run
+from local_run import LocalRunFailed, local_run
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.errors import CheckpointError
 from raytrain_ft.integrity import verify_checkpoint
-from raytrain_ft.launch.driver import RunFailed, run
+from raytrain_ft.launch.driver import run
 from raytrain_ft.run_folder import committed_steps, step_path
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -63,16 +62,17 @@ def test_a_flipped_bit_in_the_committed_checkpoint_falls_back_to_the_previous_on
     # bit rot in the largest model tensor of the newest committed checkpoint, after the job died: the
     # resubmission must not train on it (the flip is placed through the checkpoint's own DCP metadata;
     # flips in the optimizer, the data position and .metadata: tests/unit/test_integrity.py)
+    # (on the Ray-free session, `tests/local_run.py`: the fallback is the loop's, against the Ray reference)
     faults = "faults=[{kind: raise, step: 23, rank: 0}]"
     cfg = make_config(tmp_path, dataset, "train.max_steps=30", "failure.max_failures=0", faults)
-    with pytest.raises(RunFailed, match="InjectedFault"):
-        run(cfg)
-    latest = step_dirs(cfg)[-1]
+    with pytest.raises(LocalRunFailed, match="InjectedFault"):
+        local_run(cfg)
+    latest = step_path(run_root(cfg), committed_steps(run_root(cfg))[-1])  # a local run prunes nothing: 5-20 stay
     assert latest.endswith("step-20")
     flip_bit(latest, "model.model.embed_tokens.weight")
     assert [s for s in committed_steps(run_root(cfg)) if verify_checkpoint(step_path(run_root(cfg), s))] == [20]
     cfg = make_config(tmp_path, dataset, "train.max_steps=30", faults)  # resubmit: same run, fault already fired
-    run_id = run(cfg)
+    run_id = local_run(cfg)
     assert_resumed(cfg.tracking.uri, run_id, [0, 15])  # the first submission, then the fallback to 15
     [corrupt] = events(cfg.tracking.uri, run_id, "corrupt_checkpoint")
     assert corrupt["path"].endswith("step-20") and "model.model.embed_tokens.weight" in corrupt["reason"]

@@ -1,5 +1,5 @@
 """Held-out validation end to end: the split by document (Ray Data), and val_loss across a kill
-and resume (Ray Train, 2 gloo workers, tiny Llama, SQLite MLflow)."""
+and resume (2 gloo ranks on the Ray-free session of `tests/local_run.py`, tiny Llama, SQLite MLflow)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from mlflow.tracking import MlflowClient
 from tokenizers import Tokenizer
 
 from conftest import STDLIB_JSON, assert_resumed, make_config, metric_by_step
+from local_run import local_run
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.prepare import PrepareSettings, prepare, validation_size
-from raytrain_ft.launch.driver import run
 
-pytestmark = pytest.mark.usefixtures("ray_local")
+pytestmark = pytest.mark.usefixtures("ray_local")  # `prepare` runs on Ray Data
 VALIDATED = [3, 6, 9, 12, 15, 18]  # validation.interval_steps=3 over 20 steps
 
 
@@ -71,7 +71,7 @@ def validated_run(tmp_path, dataset: str, *more: str):
     cfg = make_config(
         tmp_path, dataset, "train.max_steps=20", "validation.interval_steps=3", "validation.num_batches=2", *more
     )
-    return cfg, run(cfg)
+    return cfg, local_run(cfg)
 
 
 def test_val_loss_after_a_kill_and_resume_equals_the_uninterrupted_runs(tmp_path, split_dataset):

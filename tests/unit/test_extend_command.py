@@ -85,3 +85,17 @@ def test_a_checkpoint_written_before_lr_schedule_existed_reads_as_the_cosine_it_
     meta.load_state_dict({"json": json.dumps({"fingerprint": {"train.max_steps": 20}, "mlflow_run_id": "r"})})
     assert meta.fingerprint == {"train.max_steps": 20, "train.lr_schedule": "cosine", "train.decay_steps": 0}
     assert meta.history == []
+
+
+def test_runs_shows_the_restarts_metric_and_the_extended_target(store, capsys):
+    # the `restarts` metric is what Ray's recovery totals log (`MlflowRecorder.write_recovery_tables`);
+    # test_extend.py's runs train on the Ray-free session, which records no failures, so it is set here
+    uri, root = store
+    run_id = Path(root, "mlflow_run_id").read_text()
+    client = MlflowClient(uri)
+    for key, value in (("restarts", 1.0), ("last_step", 30.0), ("train/loss", 2.5), ("goodput", 0.75)):
+        client.log_metric(run_id, key, value, step=0)
+    client.set_tag(run_id, "max_steps", "30")
+    assert main(["runs", "--tracking-uri", uri]) == 0
+    [row] = [line for line in capsys.readouterr().out.splitlines() if line.count("│") == 8]
+    assert [c.strip() for c in row.split("│")[1:-1]] == ["demo", "RUNNING", "30/30", "2.5000", "", "1", "0.750"]
