@@ -1,7 +1,8 @@
 """Pretraining job: `python jobs/pretrain.py --config configs/demo.yaml [key=value ...]`.
 
-Under `ray job submit` it connects to that cluster; run directly it starts a local Ray instance
-with explicit small resources. Exit status 2 with a one-line message on a user error.
+The preflight checks that need no cluster run first (`check_before_ray`). Under `ray job submit` it
+connects to that cluster; run directly it starts a local Ray instance with explicit small resources.
+Exit status 2 with a one-line message on a user error.
 """
 
 import argparse
@@ -15,6 +16,24 @@ import ray
 from raytrain_ft.config import load_config
 from raytrain_ft.errors import UserError
 from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV, Terminated, run
+from raytrain_ft.launch.tracking_server import lasting_path
+from raytrain_ft.preflight import problems
+
+
+def check_before_ray(cfg) -> None:
+    """The preflight checks that need no cluster (what `raytrain-ft check` runs without an address),
+    before Ray starts or is connected to: a missing dataset or a bad config is one line in a second,
+    not after a local Ray start. The driver's full preflight (with the cluster's resources) runs
+    again once connected (`raytrain_ft.launch.driver.run`).
+
+    Raises:
+        UserError: the first problem found.
+    """
+    cfg.data.path = lasting_path(cfg.data.path, "data.path")
+    cfg.run.storage_path = lasting_path(cfg.run.storage_path, "run.storage_path")
+    found = problems(cfg, None)
+    if found:
+        raise found[0]
 
 
 def init_ray(num_cpus: int) -> None:
@@ -37,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         cfg = load_config(args.config, args.overrides)
+        check_before_ray(cfg)
         init_ray(args.num_cpus)
         run_id = run(cfg)
     except UserError as e:

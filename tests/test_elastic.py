@@ -59,4 +59,4 @@ def test_preemption_then_shrink_on_node_loss_then_grow_back(tmp_path, dataset):
     audit = read_audit(str(tmp_path / "runs" / "elastic"))
     steps, ids = audit.column("step").to_numpy(), audit.column("sample_id").to_numpy()
     got = {int(s): sorted(ids[steps == s].tolist()) for s in np.unique(steps)}
-    assert got == expected_step_ids(dataset, 100, 8)
+    assert got == expected_step_ids(dataset, cfg.train.max_steps, 8)

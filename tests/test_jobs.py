@@ -1,4 +1,5 @@
-"""The job entry points as users run them: subprocesses, `ray start --head` + `ray job submit`, resubmission."""
+"""The job entry points as users run them: `python jobs/pretrain.py` for the user errors, and on one
+`ray start --head` for the module: `ray job submit`, `ray job stop`, a dead driver, resubmission."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 
 import pytest
 from mlflow.tracking import MlflowClient
+from ray.job_submission import JobStatus, JobSubmissionClient
 
 from conftest import COMMITTED, REPO, assert_resumed, events, make_config, sqlite_store
 from raytrain_ft.errors import ConfigError
@@ -49,11 +52,12 @@ def test_unknown_config_key_is_one_line_error(tmp_path, dataset):
 
 def test_missing_dataset_is_one_line_error(tmp_path, dataset):
     r = pretrain(*run_args(tmp_path, tmp_path / "nowhere"))
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines()[-1] == (
+    assert r.returncode == 2
+    # the whole output: the preflight ran before any Ray start (whose log lines would come first)
+    assert r.stderr.strip().splitlines() == [
         f"error: no prepared dataset at {tmp_path / 'nowhere'} (manifest.json missing); run "
         f"`python jobs/prepare_data.py --output {tmp_path / 'nowhere'}` or set data.path"
-    )
+    ]
 
 
 def test_a_gpu_run_on_a_cluster_without_gpus_names_use_gpu(tmp_path, dataset, ray_local):
@@ -73,7 +77,7 @@ def free_port() -> int:
 
 
 def kill_session(sid: int) -> None:
-    """SIGKILL every process of a session (a job and the Ray instance it started), nothing else:
+    """SIGKILL every process of a session (the head started below and what it started), nothing else:
     `ray stop` would also stop the Ray instance of this test process."""
     for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
         try:
@@ -83,9 +87,11 @@ def kill_session(sid: int) -> None:
             pass
 
 
-def test_ray_job_submit_to_a_started_head(tmp_path, dataset):
+@pytest.fixture(scope="module")
+def head() -> Iterator[str]:
+    """A `ray start --head` (2 CPUs) for the module's jobs; yields its dashboard (job submission) address."""
     gcs, dashboard, agent, agent_grpc, metrics = (free_port() for _ in range(5))
-    head = subprocess.Popen(
+    proc = subprocess.Popen(
         [
             os.path.join(BIN, "ray"),
             "start",
@@ -100,7 +106,11 @@ def test_ray_job_submit_to_a_started_head(tmp_path, dataset):
             f"--metrics-export-port={metrics}",
             "--disable-usage-stats",
         ],
-        env=ENV,
+        # the job drivers inherit it (PYTHONPATH included). RAY_JOB_STOP_WAIT_TIME_S: `ray job stop`'s
+        # SIGTERM-to-SIGKILL grace (default 3 s) cut the driver's ending (the recorder's flush, the
+        # KILLED status) short on this shared 2-core machine: the job supervisor logged "has timed out
+        # after 3 seconds ... force-killed" and the MLflow run stayed RUNNING
+        env={**ENV, "RAY_JOB_STOP_WAIT_TIME_S": "30"},
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -113,48 +123,88 @@ def test_ray_job_submit_to_a_started_head(tmp_path, dataset):
                 break
             except OSError:
                 time.sleep(1)
-        submit = [os.path.join(BIN, "ray"), "job", "submit", "--address", address, "--", "python", PRETRAIN]
-        submit += ["--config", TINY, *run_args(tmp_path, dataset, "run.name=submitted", "train.max_steps=6")]
-        for _ in range(30):  # the dashboard answers before its job agent is up: Ray says "try again later"
-            r = subprocess.run(submit, capture_output=True, text=True, timeout=400, env=ENV)
-            if "No available agent to submit job" not in r.stdout + r.stderr:
-                break
-            time.sleep(2)
+        yield address
     finally:
-        kill_session(head.pid)
-        head.wait()
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "run submitted finished" in r.stdout and "succeeded" in r.stdout
-    assert os.path.exists(tmp_path / "runs" / "submitted" / "step-6" / ".metadata")
+        kill_session(proc.pid)
+        proc.wait()
 
 
-def test_a_stopped_run_is_killed_in_mlflow_and_a_resubmission_finishes_it(tmp_path, dataset):
-    args = run_args(tmp_path, dataset, "run.name=resub", "train.max_steps=20", "checkpoint.interval_steps=5")
-    args.append("faults=[{kind: slow, step: 11, steps: 10, seconds: 0.5, rank: -1}]")  # SIGTERM comes mid-run
-    proc = subprocess.Popen(
-        [sys.executable, PRETRAIN, "--config", TINY, *args],
-        env=ENV,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    snapshot = tmp_path / "runs" / "resub" / "checkpoint_manager_snapshot.json"
+def ray_job(address: str, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    """`ray job ARGS --address ADDRESS`, as a user types it."""
+    cmd = [os.path.join(BIN, "ray"), "job", args[0], "--address", address, *args[1:]]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def submit(address: str, submission_id: str, args: list[str], *flags: str) -> subprocess.CompletedProcess:
+    """`ray job submit --submission-id ID [FLAGS] -- python jobs/pretrain.py --config tiny.yaml ARGS`."""
+    entrypoint = ["--", "python", PRETRAIN, "--config", TINY, *args]
+    for _ in range(30):  # the dashboard answers before its job agent is up: Ray says "try again later"
+        r = ray_job(address, "submit", "--submission-id", submission_id, *flags, *entrypoint)
+        if "No available agent to submit job" not in r.stdout + r.stderr:
+            return r
+        time.sleep(2)
+    return r
+
+
+def wait_for_commit(address: str, submission_id: str, snapshot, step: int) -> None:
+    """Until Ray Train registered the checkpoint of `step` (its `checkpoint_manager_snapshot.json`);
+    fails at once if the job ends first."""
+    client = JobSubmissionClient(address)
     deadline = time.time() + 240
-    while time.time() < deadline and not (snapshot.exists() and '"step-10"' in snapshot.read_text()):
+    while not (snapshot.exists() and step in committed_steps(snapshot)):
+        status = client.get_job_status(submission_id)
+        assert not status.is_terminal(), f"job {submission_id} {status}: {client.get_job_logs(submission_id)[-3000:]}"
+        assert time.time() < deadline, f"step {step} not committed in 240 s"
         time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)  # what `ray job stop` and a preempted head send the driver
-    stderr = proc.communicate(timeout=120)[1]
-    kill_session(proc.pid)  # anything of the job's local Ray instance left behind
-    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
-    assert stderr.strip().splitlines()[-1].startswith("run resub stopped by SIGTERM; its MLflow run is KILLED")
-    assert '"step-10"' in snapshot.read_text()
+
+
+def wait_for_end(address: str, submission_id: str, timeout: float = 120) -> JobStatus:
+    client = JobSubmissionClient(address)
+    deadline = time.time() + timeout
+    while not (status := client.get_job_status(submission_id)).is_terminal() and time.time() < deadline:
+        time.sleep(0.5)
+    return status
+
+
+def committed_steps(snapshot) -> list[int]:
+    """Steps of the checkpoints Ray Train registered (its `checkpoint_manager_snapshot.json`)."""
+    return sorted({int(s) for s in re.findall(r'"step-(\d+)"', snapshot.read_text())})
+
+
+def interrupted_args(tmp_path, dataset, name: str) -> list[str]:
+    args = run_args(tmp_path, dataset, f"run.name={name}", "train.max_steps=20", "checkpoint.interval_steps=5")
+    return [*args, "faults=[{kind: slow, step: 11, steps: 10, seconds: 0.5, rank: -1}]"]  # the stop comes mid-run
+
+
+def assert_resubmission_succeeded(r: subprocess.CompletedProcess, tmp_path, name: str) -> None:
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"run {name} finished" in r.stdout and "succeeded" in r.stdout
+    assert os.path.exists(tmp_path / "runs" / name / "step-20" / ".metadata")
+
+
+def test_a_stopped_run_is_killed_in_mlflow_and_a_resubmission_finishes_it(tmp_path, dataset, head):
+    """`ray job stop` (SIGTERM to the driver, SIGKILL after Ray's 3 s) after step 10 was committed;
+    then the same `ray job submit` again, on the same cluster, finishes the run."""
+    args = interrupted_args(tmp_path, dataset, "resub")
+    r = submit(head, "resub-1", args, "--no-wait")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    snapshot = tmp_path / "runs" / "resub" / "checkpoint_manager_snapshot.json"
+    wait_for_commit(head, "resub-1", snapshot, 10)
+    r = ray_job(head, "stop", "resub-1")  # waits until the job has ended
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert wait_for_end(head, "resub-1") == JobStatus.STOPPED
+    # the driver's handler ended it within Ray's grace period (no SIGKILL cut it short); Ray keeps no exit
+    # status for a stopped job, so the last line is the evidence the driver got to `sys.exit(143)`
+    logs = ray_job(head, "logs", "resub-1").stdout
+    assert logs.strip().splitlines()[-1].startswith("run resub stopped by SIGTERM; its MLflow run is KILLED"), logs[
+        -3000:
+    ]
+    assert 10 in committed_steps(snapshot)
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     [stopped] = client.search_runs([client.get_experiment_by_name("raytrain-ft").experiment_id])
     assert stopped.info.status == "KILLED" and stopped.info.end_time is not None
 
-    r = pretrain(*args)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert_resubmission_succeeded(submit(head, "resub-2", args), tmp_path, "resub")
     runs = client.search_runs([client.get_experiment_by_name("raytrain-ft").experiment_id])
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     # the resubmission resumed from a commit at or after step 10 (when the driver stopped is timing)
@@ -165,43 +215,53 @@ def test_a_stopped_run_is_killed_in_mlflow_and_a_resubmission_finishes_it(tmp_pa
     assert sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss")) == list(range(1, 21))
 
 
-def committed_steps(snapshot) -> list[int]:
-    """Steps of the checkpoints Ray Train registered (its `checkpoint_manager_snapshot.json`)."""
-    return sorted({int(s) for s in re.findall(r'"step-(\d+)"', snapshot.read_text())})
+def driver_pid(storage_path: str) -> int:
+    """The pid of the job driver whose arguments include `run.storage_path=STORAGE_PATH` (not the
+    shell Ray may run it under: there the whole command is one argument)."""
+    wanted = f"run.storage_path={storage_path}"
+    found = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode().split("\0")
+        except OSError:
+            continue
+        if PRETRAIN in argv and wanted in argv:
+            found.append(int(pid))
+    assert len(found) == 1, found
+    return found[0]
 
 
-def test_resubmission_after_the_driver_died_resumes_the_same_run(tmp_path, dataset):
-    """SIGKILL of the whole job (driver, its Ray instance, the workers, the MLflow client): nothing
-    can clean up or record anything. The same command again resumes from the last checkpoint Ray
-    had registered, into the same MLflow run, and finishes it."""
-    args = run_args(tmp_path, dataset, "run.name=killed", "train.max_steps=20", "checkpoint.interval_steps=5")
-    args.append("faults=[{kind: slow, step: 11, steps: 10, seconds: 0.5, rank: -1}]")  # the kill comes mid-run
-    proc = subprocess.Popen(
-        [sys.executable, PRETRAIN, "--config", TINY, *args],
-        env=ENV,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+def test_resubmission_after_the_driver_died_resumes_the_same_run(tmp_path, dataset, head):
+    """SIGKILL of the job's driver alone, on a cluster that stays up: nothing in the driver can clean
+    up or record anything, and Ray ends the driver's actors (the Train controller, the workers, the
+    tracking actor and the values it held). The same submission again resumes from the last checkpoint
+    Ray had registered, into the same MLflow run, and finishes it."""
+    args = interrupted_args(tmp_path, dataset, "killed")
+    r = submit(head, "killed-1", args, "--no-wait")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     snapshot = tmp_path / "runs" / "killed" / "checkpoint_manager_snapshot.json"
-    deadline = time.time() + 240
-    while time.time() < deadline and not (snapshot.exists() and 10 in committed_steps(snapshot)):
+    wait_for_commit(head, "killed-1", snapshot, 10)
+    os.kill(driver_pid(str(tmp_path / "runs")), signal.SIGKILL)
+    assert wait_for_end(head, "killed-1") == JobStatus.FAILED
+    # Ray ends the dead driver's Train controller (the writer of the snapshot) before the next
+    # registration could come; wait for that so `committed` is final
+    from ray.util.state import list_actors
+
+    deadline = time.time() + 60
+    while list_actors(address=head, filters=[("class_name", "=", "TrainController"), ("state", "=", "ALIVE")]):
+        assert time.time() < deadline, "the dead driver's TrainController is still alive after 60 s"
         time.sleep(0.5)
-    kill_session(proc.pid)
-    proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
     committed = max(committed_steps(snapshot))
     assert 10 <= committed < 20
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     [killed] = client.search_runs([client.get_experiment_by_name("raytrain-ft").experiment_id])
     assert killed.info.status == "RUNNING"  # nobody was left to end it
 
-    r = pretrain(*args)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert_resubmission_succeeded(submit(head, "killed-2", args), tmp_path, "killed")
     runs = client.search_runs([client.get_experiment_by_name("raytrain-ft").experiment_id])
     assert [run.info.run_id for run in runs] == [killed.info.run_id] and runs[0].info.status == "FINISHED"
     # Ray's snapshot is the record of what committed: the values the killed tracking actor still held
     # (the commit's goodput metrics among them) died with it, so `assert_resumed` has no MLflow evidence
     attempts = events(f"sqlite:///{tmp_path / 'mlflow.db'}", killed.info.run_id, "attempt_start")
     assert [a["resumed_from"] for a in attempts] == [0, committed]
-    assert os.path.exists(tmp_path / "runs" / "killed" / "step-20" / ".metadata")
