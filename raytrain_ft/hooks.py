@@ -38,7 +38,9 @@ class StepResult:
     `val_perplexity` at a validated step (`raytrain_ft.validation`), else empty; `validation_s`: its
     seconds (0 without one); `recovery_s`: seconds of the step lost to a peer replica's failure
     (`StepMembers.recovering_s`: under replica recovery, the quorum's wait for the lighthouse to
-    drop a dead replica; else 0).
+    drop a dead replica; else 0); `devices`: the devices that trained the step, the split's world
+    size (under replica recovery the step's participating replicas, one device each), what
+    throughput per device and MFU divide by.
     """
 
     step: int
@@ -50,6 +52,7 @@ class StepResult:
     validation: dict[str, float] = field(default_factory=dict)
     validation_s: float = 0.0
     recovery_s: float = 0.0
+    devices: int = 1
 
 
 class StepHook:

@@ -412,7 +412,16 @@ class Trainer:
         loss, stall_s = loss_sum / share.plan.world_size, self.checkpointer.take_stall_s()
         self.hooks.after_optimizer_step(
             StepResult(
-                step, loss, grad_norm, skip, median, stall_s, val.metrics, val.seconds, self.members.recovering_s
+                step,
+                loss,
+                grad_norm,
+                skip,
+                median,
+                stall_s,
+                val.metrics,
+                val.seconds,
+                self.members.recovering_s,
+                share.plan.world_size,
             )
         )
         self.checks.monitor(step, local_loss, grad_norm)

@@ -12,7 +12,7 @@ rank prints its skips.
 
 Step time (seconds) runs from `before_step` to `after_optimizer_step`: batch read, forward/backward,
 clip, guard, optimizer (checkpoint stalls included; a validation, the save and the guards' checks
-after the update are not). MFU = FLOPs per token x tokens/s / (peak FLOP/s per device x world_size)
+after the update are not). MFU = FLOPs per token x tokens/s / (peak FLOP/s per device x the step's devices)
 (`raytrain_ft.model.flops_per_token`: PaLM, Appendix B; peak from `raytrain_ft.hardware`).
 """
 
@@ -95,11 +95,10 @@ class StepMetrics(StepHook):
             self.record_skip(r)
 
     def log_step(self, r: StepResult, step_time: float) -> None:
-        world_size = self.plan.world_size
         tokens_per_s = self.plan.global_batch_size * self.seq_len / step_time
-        throughput = {"tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / world_size}
+        throughput = {"tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / r.devices}
         if self.peak_flops:
-            throughput["mfu"] = self.flops_per_token * tokens_per_s / (self.peak_flops * world_size)
+            throughput["mfu"] = self.flops_per_token * tokens_per_s / (self.peak_flops * r.devices)
         self.recorder.record_step(
             r.step,
             {
