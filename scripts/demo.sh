@@ -7,7 +7,7 @@ bash scripts/setup.sh
 source .venv/bin/activate
 export RAY_AUTH_MODE=disabled  # a local, loopback-only head; see docs/cluster.md "Ray authentication"
 python jobs/prepare_data.py --output data/stdlib
-RAY_num_workers_soft_limit=16 ray start --head --num-cpus=2 --dashboard-host=127.0.0.1 --disable-usage-stats >/dev/null
+RAY_num_workers_soft_limit=16 RAY_JOB_STOP_WAIT_TIME_S=30 ray start --head --num-cpus=2 --dashboard-host=127.0.0.1 --disable-usage-stats >/dev/null
 trap 'ray stop >/dev/null 2>&1 || true' EXIT
 for _ in $(seq 1 60); do curl -sf http://127.0.0.1:8265/api/version >/dev/null && break; sleep 1; done
 RUN_NAME="demo-$(date +%Y%m%d-%H%M%S)"  # a new run each time, so the injected failure happens again
