@@ -12,9 +12,13 @@ Each of `--rounds` rounds (3) runs, one after the other in one Ray session:
 1. raytrain-ft, once per recovery mode (`MODES`): the demo config (`small` preset, 27M params, 2
    CPU workers at 0.5 CPU, stdlib corpus) with `failure.recovery` set to the mode,
    `checkpoint.interval: auto`, `failure.mtbf_hours_per_gpu` set so the planned cluster MTBF is
-   `--mtbf-s`. `train.max_steps` covers the drawn gaps plus `--tail-s` (5 s) of training at the
-   mode's median step time of the previous round (round 1: `--step-s`, 2.6 s, this machine's); if
-   the run ends before a drawn kill, that kill is reported as missed.
+   `--mtbf-s`, and validation every `--validation-interval` steps (default 0: off, as in the plain
+   loop; validation is a badput bucket of its own, not a recovery cost, and under `replica` each
+   replica validates the whole set: with the demo's interval of 10 it cost `replica` 19 s of a
+   180 s round, more than its 7 s of recovery, and `restart` 10 s). `train.max_steps` covers the
+   drawn gaps plus `--tail-s` (5 s) of training at the mode's median step time of the previous
+   round (round 1: `--step-s`, 2.6 s, this machine's); if the run ends before a drawn kill, that
+   kill is reported as missed.
    * `restart`: a kill restarts the whole group; its clock for the next gap starts at the new
      attempt's first step. From MLflow: the goodput summary, the checkpoint cost, and per kill the
      recovery's phases (`raytrain_ft.recovery.recovery_rows`), as seconds after the SIGKILL:
@@ -195,7 +199,14 @@ def recovery_of(kill: dict, failure: dict, restarts, replacements) -> dict:
 
 
 def raytrain_ft(
-    root: str, mode: str, gaps_s: list[float], ranks: list[int], mtbf_s: float, step_s: float, tail_s: float
+    root: str,
+    mode: str,
+    gaps_s: list[float],
+    ranks: list[int],
+    mtbf_s: float,
+    step_s: float,
+    tail_s: float,
+    validation_interval: int,
 ) -> dict:
     """One raytrain-ft run with `failure.recovery: <mode>`, killed after each gap at the given rank."""
     max_steps = math.ceil((sum(gaps_s) + tail_s) / step_s) + len(gaps_s)  # + a step lost per kill
@@ -208,6 +219,7 @@ def raytrain_ft(
             f"tracking.uri=sqlite:///{root}/mlflow.db",
             f"train.max_steps={max_steps}",
             f"failure.recovery={mode}",
+            f"validation.interval_steps={validation_interval}",
             "checkpoint.interval=auto",
             f"failure.mtbf_hours_per_gpu={2 * mtbf_s / 3600}",  # 2 workers: cluster MTBF = mtbf_s
             f"failure.max_failures={len(gaps_s) + 1}",
@@ -391,6 +403,12 @@ def main() -> None:
     p.add_argument("--tail-s", type=float, default=5.0, help="seconds of training after the last drawn kill")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-s", type=float, default=2.6, help="round 1's step time estimate (later: measured)")
+    p.add_argument(
+        "--validation-interval",
+        type=int,
+        default=0,
+        help="validation.interval_steps of the raytrain-ft runs (0: off, as in the plain loop)",
+    )
     p.add_argument("--out", default=default_out("goodput"))
     args = p.parse_args()
     started = time.time()
@@ -410,7 +428,14 @@ def main() -> None:
         rd: dict = {}
         for mode in MODES:
             rd[mode] = raytrain_ft(
-                scratch(f"goodput-{mode}-"), mode, gaps, ranks, args.mtbf_s, step_s[mode], args.tail_s
+                scratch(f"goodput-{mode}-"),
+                mode,
+                gaps,
+                ranks,
+                args.mtbf_s,
+                step_s[mode],
+                args.tail_s,
+                args.validation_interval,
             )
             step_s[mode] = rd[mode]["median_step_time_s"] or step_s[mode]
         rd["plain_ray_train"] = plain(scratch("goodput-plain-"), m.vocab_size, m.seq_len, args.plain_kills, rng)
@@ -432,7 +457,10 @@ def main() -> None:
 
     report(
         {
-            "scale": {k: getattr(args, k) for k in ("rounds", "kills", "plain_kills", "mtbf_s", "tail_s", "seed")},
+            "scale": {
+                k: getattr(args, k)
+                for k in ("rounds", "kills", "plain_kills", "mtbf_s", "tail_s", "seed", "validation_interval")
+            },
             "elapsed_s": time.time() - started,
             "goodput": {mode: spread([rd[mode]["summary"]["goodput"] for rd in rounds]) for mode in MODES},
             "goodput_after_startup": goodput_after,

@@ -397,12 +397,23 @@ def peek(checkpoint: str | None, components: dict[str, Stateful]) -> None:
     checkpoint or it does not load (the full restore then reports why)."""
     if checkpoint is None:
         return
-    with contextlib.suppress(Exception, CheckpointException), warnings.catch_warnings():
-        # CheckpointException is a BaseException; DCP warns that no_dist means "torch.distributed is disabled"
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+    with contextlib.suppress(Exception, CheckpointException):  # CheckpointException is a BaseException
         reader = ChecksummedReader(checkpoint)
         reader.read_metadata()
-        dcp.load(components, storage_reader=reader, no_dist=True)
+        load_alone(components, reader)
+
+
+def load_alone(state: dict, reader: ChecksummedReader) -> None:
+    """`dcp.load(state)` from `reader` in this process alone (`no_dist`: no process group, no
+    collective), without DCP's warning that "torch.distributed is disabled" (the intent here; a
+    CLI's one-line error must not follow a warning on stderr).
+
+    Raises:
+        CheckpointException: from `dcp.load` (`corruption_of` tells a corrupt file).
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
 
 
 def load_model_state_dict(checkpoint_dir: str) -> dict[str, torch.Tensor]:
@@ -429,5 +440,5 @@ def _load_prefixed(checkpoint_dir: str, prefix: str) -> dict[str, torch.Tensor]:
         for k, m in meta.state_dict_metadata.items()
         if k.startswith(prefix + ".") and isinstance(m, TensorStorageMetadata)
     }
-    dcp.load(tensors, storage_reader=reader, no_dist=True)
+    load_alone(tensors, reader)
     return {k[len(prefix) + 1 :]: v for k, v in tensors.items()}

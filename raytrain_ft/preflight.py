@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import fsspec
 
-from raytrain_ft.checkpoint import corruption_of
+from raytrain_ft.checkpoint import corruption_of, load_alone
 from raytrain_ft.config import Config
 from raytrain_ft.data.manifest import Manifest, load_manifest
 from raytrain_ft.data.position import check_world_sizes
@@ -244,7 +244,6 @@ def newest_checkpoint(run_root: str) -> tuple[str, RunMeta] | None:
     """(path, run metadata) of the newest intact complete checkpoint under `run_root`; None before
     the first. Corrupt ones (checksums, `raytrain_ft.integrity`) are skipped here: the workers'
     restore falls back past them and records each."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     for step in reversed(complete_steps(run_root)):
@@ -252,7 +251,7 @@ def newest_checkpoint(run_root: str) -> tuple[str, RunMeta] | None:
         reader = ChecksummedReader(path)
         try:
             reader.read_metadata()  # checked here: inside dcp.load DCP reports it as a bare AssertionError
-            dcp.load({KEY_META: saved}, storage_reader=reader, no_dist=True)
+            load_alone({KEY_META: saved}, reader)
         except (CorruptCheckpointError, CheckpointException) as e:
             if corruption_of(e) is None:
                 raise

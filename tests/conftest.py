@@ -271,13 +271,18 @@ GUARDED = ["guards.fingerprint.interval_steps=7", "guards.rank_check.interval_st
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory, dataset, ray_local):
-    """The uninterrupted 30-step run every resume test compares against (with the `GUARDED` settings)."""
-    tmp = tmp_path_factory.mktemp("reference")
-    from raytrain_ft.launch.driver import run
+def reference(tmp_path_factory, dataset):
+    """The uninterrupted 30-step run every resume test compares against (with the `GUARDED` settings).
 
-    cfg = make_config(tmp, dataset, "run.name=ref", "train.max_steps=30", "data.audit=true", *GUARDED)
-    run_id = run(cfg)
+    Ray-free (`local_run`): the Ray runs that end bitwise equal to it (test_recovery, test_chaos,
+    test_group_start, test_remote_storage) are what pin that a Ray Train run and the Ray-free session
+    train the same bits on the same sequences."""
+    from local_run import local_run
+
+    cfg = make_config(
+        tmp_path_factory.mktemp("reference"), dataset, "run.name=ref", "train.max_steps=30", "data.audit=true", *GUARDED
+    )
+    run_id = local_run(cfg)
     return cfg, run_id, final_state(cfg, 30)
 
 

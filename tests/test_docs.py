@@ -8,7 +8,7 @@ cluster files and docs. No Ray instance is started.
 
 Citing a test: `<file>.py::<function>` (optionally `tests/` before the file, `[param]` after the
 function; the file is looked up in tests/ and tests/unit/), e.g.
-`test_pretrain.py::test_interrupted_run_is_bitwise_identical`. A bare backticked
+`test_chaos.py::test_kills_while_saving_starting_and_restoring_resume_bitwise`. A bare backticked
 `test_...` name is refused, so every citation can be checked.
 """
 

@@ -46,7 +46,7 @@ def test_preemption_then_shrink_on_node_loss_then_grow_back(tmp_path, dataset):
     # the preemption notice made a just-in-time checkpoint and the shrunk group resumed from it
     # (nothing lost); the grown-back group resumed from a later commit, not from 0
     [preempted_at] = outcome["preemption_steps"]
-    assert preempted_at > 20
+    assert preempted_at > 10
     cfg, run_id = elastic_config(dataset, str(tmp_path)), outcome["run_id"]
     attempts = assert_resumed(cfg.tracking.uri, run_id, [0, preempted_at, COMMITTED])
     assert [a["world_size"] for a in attempts] == [3, 2, 3]  # start, node loss, node back

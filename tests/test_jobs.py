@@ -17,7 +17,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from ray.job_submission import JobStatus, JobSubmissionClient
 
-from conftest import COMMITTED, REPO, assert_resumed, events, make_config, sqlite_store
+from conftest import REPO, events, make_config, sqlite_store
 from raytrain_ft.errors import ConfigError
 from raytrain_ft.launch.driver import preflight
 
@@ -171,48 +171,10 @@ def committed_steps(snapshot) -> list[int]:
     return sorted({int(s) for s in re.findall(r'"step-(\d+)"', snapshot.read_text())})
 
 
-def interrupted_args(tmp_path, dataset, name: str) -> list[str]:
-    args = run_args(tmp_path, dataset, f"run.name={name}", "train.max_steps=20", "checkpoint.interval_steps=5")
-    return [*args, "faults=[{kind: slow, step: 11, steps: 10, seconds: 0.5, rank: -1}]"]  # the stop comes mid-run
-
-
-def assert_resubmission_succeeded(r: subprocess.CompletedProcess, tmp_path, name: str) -> None:
+def assert_resubmission_succeeded(r: subprocess.CompletedProcess, tmp_path, name: str, last_step: int) -> None:
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"run {name} finished" in r.stdout and "succeeded" in r.stdout
-    assert os.path.exists(tmp_path / "runs" / name / "step-20" / ".metadata")
-
-
-def test_a_stopped_run_is_killed_in_mlflow_and_a_resubmission_finishes_it(tmp_path, dataset, head):
-    """`ray job stop` (SIGTERM to the driver, SIGKILL after Ray's 3 s) after step 10 was committed;
-    then the same `ray job submit` again, on the same cluster, finishes the run."""
-    args = interrupted_args(tmp_path, dataset, "resub")
-    r = submit(head, "resub-1", args, "--no-wait")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    snapshot = tmp_path / "runs" / "resub" / "checkpoint_manager_snapshot.json"
-    wait_for_commit(head, "resub-1", snapshot, 10)
-    r = ray_job(head, "stop", "resub-1")  # waits until the job has ended
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert wait_for_end(head, "resub-1") == JobStatus.STOPPED
-    # the driver's handler ended it within Ray's grace period (no SIGKILL cut it short); Ray keeps no exit
-    # status for a stopped job, so the last line is the evidence the driver got to `sys.exit(143)`
-    logs = ray_job(head, "logs", "resub-1").stdout
-    assert logs.strip().splitlines()[-1].startswith("run resub stopped by SIGTERM; its MLflow run is KILLED"), logs[
-        -3000:
-    ]
-    assert 10 in committed_steps(snapshot)
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    [stopped] = client.search_runs([client.get_experiment_by_name("raytrain-ft").experiment_id])
-    assert stopped.info.status == "KILLED" and stopped.info.end_time is not None
-
-    assert_resubmission_succeeded(submit(head, "resub-2", args), tmp_path, "resub")
-    runs = client.search_runs([client.get_experiment_by_name("raytrain-ft").experiment_id])
-    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
-    # the resubmission resumed from a commit at or after step 10 (when the driver stopped is timing)
-    _, resubmitted = assert_resumed(f"sqlite:///{tmp_path / 'mlflow.db'}", runs[0].info.run_id, [0, COMMITTED])
-    assert resubmitted["resumed_from"] >= 10
-    assert runs[0].info.run_id == stopped.info.run_id
-    # one value per step, the stopped attempt's unpublished ones included (recovered from train_live/loss)
-    assert sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss")) == list(range(1, 21))
+    assert os.path.exists(tmp_path / "runs" / name / f"step-{last_step}" / ".metadata")
 
 
 def driver_pid(storage_path: str) -> int:
@@ -232,36 +194,89 @@ def driver_pid(storage_path: str) -> int:
     return found[0]
 
 
-def test_resubmission_after_the_driver_died_resumes_the_same_run(tmp_path, dataset, head):
-    """SIGKILL of the job's driver alone, on a cluster that stays up: nothing in the driver can clean
-    up or record anything, and Ray ends the driver's actors (the Train controller, the workers, the
-    tracking actor and the values it held). The same submission again resumes from the last checkpoint
-    Ray had registered, into the same MLflow run, and finishes it."""
-    args = interrupted_args(tmp_path, dataset, "killed")
-    r = submit(head, "killed-1", args, "--no-wait")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    snapshot = tmp_path / "runs" / "killed" / "checkpoint_manager_snapshot.json"
-    wait_for_commit(head, "killed-1", snapshot, 10)
-    os.kill(driver_pid(str(tmp_path / "runs")), signal.SIGKILL)
-    assert wait_for_end(head, "killed-1") == JobStatus.FAILED
-    # Ray ends the dead driver's Train controller (the writer of the snapshot) before the next
-    # registration could come; wait for that so `committed` is final
+def wait_for_no_train_controller(address: str) -> None:
+    """Until Ray has ended the job's Train controller (the writer of Ray's checkpoint snapshot), so
+    that the snapshot's registrations are final."""
     from ray.util.state import list_actors
 
     deadline = time.time() + 60
-    while list_actors(address=head, filters=[("class_name", "=", "TrainController"), ("state", "=", "ALIVE")]):
-        assert time.time() < deadline, "the dead driver's TrainController is still alive after 60 s"
+    while list_actors(address=address, filters=[("class_name", "=", "TrainController"), ("state", "=", "ALIVE")]):
+        assert time.time() < deadline, "the ended job's TrainController is still alive after 60 s"
         time.sleep(0.5)
-    committed = max(committed_steps(snapshot))
-    assert 10 <= committed < 20
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
-    [killed] = client.search_runs([client.get_experiment_by_name("raytrain-ft").experiment_id])
-    assert killed.info.status == "RUNNING"  # nobody was left to end it
 
-    assert_resubmission_succeeded(submit(head, "killed-2", args), tmp_path, "killed")
-    runs = client.search_runs([client.get_experiment_by_name("raytrain-ft").experiment_id])
-    assert [run.info.run_id for run in runs] == [killed.info.run_id] and runs[0].info.status == "FINISHED"
-    # Ray's snapshot is the record of what committed: the values the killed tracking actor still held
-    # (the commit's goodput metrics among them) died with it, so `assert_resumed` has no MLflow evidence
-    attempts = events(f"sqlite:///{tmp_path / 'mlflow.db'}", killed.info.run_id, "attempt_start")
-    assert [a["resumed_from"] for a in attempts] == [0, committed]
+
+def test_a_stopped_job_and_a_killed_driver_are_resubmitted_into_one_finished_run(tmp_path, dataset, head):
+    """One run, three submissions of the same `ray job submit`, on a cluster that stays up:
+    1. `ray job stop` (SIGTERM to the driver, SIGKILL after `RAY_JOB_STOP_WAIT_TIME_S`) once step 10 was
+       committed: the driver ends its MLflow run as KILLED and says so in its last line;
+    2. the resubmission resumes, and after its next commit its driver alone is SIGKILLed: nothing in
+       the driver can clean up or record anything, and Ray ends the driver's actors (the Train
+       controller, the workers, the tracking actor and the values it held);
+    3. the resubmission resumes from the last checkpoint Ray had registered, into the same MLflow
+       run, and finishes it;
+    4. a submission of another model into the finished run's folder is refused in one line."""
+    name, steps = "resub", 30
+    args = run_args(tmp_path, dataset, f"run.name={name}", f"train.max_steps={steps}", "checkpoint.interval_steps=5")
+    # faults may change between submissions: steps of 1 s after step 10 where a stop or a kill must land
+    # mid-run, none for the last submission
+    slow = f"faults=[{{kind: slow, step: 11, steps: {steps - 10}, seconds: 1.0, rank: -1}}]"
+    snapshot = tmp_path / "runs" / name / "checkpoint_manager_snapshot.json"
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+    def the_run():
+        [one] = client.search_runs([client.get_experiment_by_name("raytrain-ft").experiment_id])
+        return one
+
+    # 1. stopped
+    r = submit(head, "resub-1", [*args, slow], "--no-wait")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    wait_for_commit(head, "resub-1", snapshot, 10)
+    r = ray_job(head, "stop", "resub-1")  # waits until the job has ended
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert wait_for_end(head, "resub-1") == JobStatus.STOPPED
+    # the driver's handler ended it within Ray's grace period (no SIGKILL cut it short); Ray keeps no exit
+    # status for a stopped job, so the last line is the evidence the driver got to `sys.exit(143)`
+    logs = ray_job(head, "logs", "resub-1").stdout
+    assert logs.strip().splitlines()[-1].startswith(f"run {name} stopped by SIGTERM; its MLflow run is KILLED"), logs[
+        -3000:
+    ]
+    wait_for_no_train_controller(head)
+    stopped_at = max(committed_steps(snapshot))
+    # the stop ended the training within seconds (a driver that only exits once `fit()` returns lets the
+    # workers train to step 30)
+    assert 10 <= stopped_at < steps - 5, f"training went on to step {stopped_at} after the stop"
+    stopped = the_run()
+    assert stopped.info.status == "KILLED" and stopped.info.end_time is not None
+
+    # 2. resubmitted, its driver SIGKILLed after its first commit
+    r = submit(head, "resub-2", [*args, slow], "--no-wait")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    wait_for_commit(head, "resub-2", snapshot, stopped_at + 5)
+    os.kill(driver_pid(str(tmp_path / "runs")), signal.SIGKILL)
+    assert wait_for_end(head, "resub-2") == JobStatus.FAILED
+    wait_for_no_train_controller(head)
+    killed_at = max(committed_steps(snapshot))
+    assert stopped_at < killed_at < steps
+    assert the_run().info.status == "RUNNING"  # the resubmission reopened it, and nobody was left to end it
+
+    # 3. resubmitted: finished
+    assert_resubmission_succeeded(submit(head, "resub-3", [*args, "faults=[]"]), tmp_path, name, steps)
+    finished = the_run()
+    assert finished.info.run_id == stopped.info.run_id and finished.info.status == "FINISHED"
+    # Ray's snapshot is the record of what committed: each resubmission resumed from its last registration
+    # (the killed tracking actor's values died with it, so `assert_resumed` has no MLflow evidence for it)
+    attempts = events(f"sqlite:///{tmp_path / 'mlflow.db'}", finished.info.run_id, "attempt_start")
+    assert [a["resumed_from"] for a in attempts] == [0, stopped_at, killed_at]
+    # one value per step of the stopped attempt, its unpublished ones included (recovered from
+    # train_live/loss), and of the last one
+    logged = {m.step for m in client.get_metric_history(finished.info.run_id, "train/loss")}
+    assert set(range(1, stopped_at + 1)) | set(range(killed_at + 1, steps + 1)) <= logged
+
+    # 4. a submission with another model into this run folder: refused in one line, before Ray starts
+    r = pretrain(*args, "model.preset=small")
+    assert r.returncode == 2
+    [line] = r.stderr.strip().splitlines()
+    assert line.startswith(f"error: checkpoint {tmp_path / 'runs' / name}/step-{steps} belongs to a different"), line
+    assert "model.preset: checkpoint tiny vs config small" in line
+    assert os.path.exists(tmp_path / "runs" / name / f"step-{steps}" / ".metadata")  # nothing was deleted
+    assert the_run().info.status == "FINISHED"  # nor reopened

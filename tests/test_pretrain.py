@@ -1,4 +1,7 @@
-"""End-to-end runs on a real local Ray instance: 2 gloo workers, tiny Llama, real DCP files, SQLite MLflow."""
+"""Whole runs of 2 ranks, tiny Llama, real DCP files, SQLite MLflow: the uninterrupted reference and a
+corrupt-checkpoint fallback on the Ray-free session (`tests/local_run.py`), and the driver's one-line
+refusal of a run folder without Ray's run state on a real local Ray instance (another model's
+checkpoint: test_jobs.py, as a user submits it)."""
 
 from __future__ import annotations
 
@@ -8,7 +11,6 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import (
-    GUARDED,
     assert_kept_timeline,
     assert_resumed,
     assert_same_state,
@@ -21,13 +23,10 @@ from conftest import (
     uninterrupted_lrs,
 )
 from local_run import LocalRunFailed, local_run
-from raytrain_ft.data.audit import read_audit
 from raytrain_ft.errors import CheckpointError
 from raytrain_ft.integrity import verify_checkpoint
 from raytrain_ft.launch.driver import run
 from raytrain_ft.run_folder import committed_steps, step_path
-
-pytestmark = pytest.mark.usefixtures("ray_local")
 
 
 def test_an_uninterrupted_run_completes_and_loss_falls(reference):
@@ -38,31 +37,11 @@ def test_an_uninterrupted_run_completes_and_loss_falls(reference):
     assert MlflowClient(cfg.tracking.uri).get_run(run_id).info.status == "FINISHED"
 
 
-def test_interrupted_run_is_bitwise_identical(tmp_path, dataset, reference):
-    # the demo's shape: a checkpoint every 10 steps, rank 1 killed before step 25 (a kill and an
-    # exception: test_recovery.py; kills from outside while saving, starting and restoring: test_chaos.py)
-    ref_cfg, ref_run, ref_state = reference
-    faults = "faults=[{kind: kill, step: 25, rank: 1}]"
-    cfg = make_config(
-        tmp_path, dataset, "train.max_steps=30", "data.audit=true", "checkpoint.interval_steps=10", faults
-    )
-    run_id = run(cfg)
-    client = MlflowClient(cfg.tracking.uri)
-    assert_resumed(cfg.tracking.uri, run_id, [0, 20])  # the last commit before the failure
-    assert "rank 1" in client.get_run(run_id).data.tags["last_failure_cause"]
-    assert_same_state(final_state(cfg, 30), ref_state)
-    # exactly-once data: every step consumed the same ids on the same ranks as without failures
-    assert read_audit(run_root(cfg)).equals(read_audit(run_root(ref_cfg)))
-    assert read_audit(run_root(cfg)).num_rows == 30 * 8
-    assert_kept_timeline(cfg, run_id, ref_cfg, ref_run, discarded=[21, 22, 23, 24])
-    assert client.get_run(run_id).data.metrics["restarts"] == 1
-
-
 def test_a_flipped_bit_in_the_committed_checkpoint_falls_back_to_the_previous_one(tmp_path, dataset, reference):
     # bit rot in the largest model tensor of the newest committed checkpoint, after the job died: the
     # resubmission must not train on it (the flip is placed through the checkpoint's own DCP metadata;
     # flips in the optimizer, the data position and .metadata: tests/unit/test_integrity.py)
-    # (on the Ray-free session, `tests/local_run.py`: the fallback is the loop's, against the Ray reference)
+    # (on the Ray-free session, `tests/local_run.py`: the fallback is the loop's)
     faults = "faults=[{kind: raise, step: 23, rank: 0}]"
     cfg = make_config(tmp_path, dataset, "train.max_steps=30", "failure.max_failures=0", faults)
     with pytest.raises(LocalRunFailed, match="InjectedFault"):
@@ -83,6 +62,7 @@ def test_a_flipped_bit_in_the_committed_checkpoint_falls_back_to_the_previous_on
     assert_kept_timeline(cfg, run_id, reference[0], reference[1], discarded=[21, 22], rerun_kept=(16, 17, 18, 19, 20))
 
 
+@pytest.mark.usefixtures("ray_local")
 def test_checkpoints_without_rays_run_state_are_kept_and_refused_in_one_line(tmp_path, dataset, reference):
     ref_cfg = reference[0]
     cfg = make_config(tmp_path, dataset, "run.name=orphan", "train.max_steps=30")
@@ -92,33 +72,3 @@ def test_checkpoints_without_rays_run_state_are_kept_and_refused_in_one_line(tmp
     message = str(e.value)
     assert "\n" not in message and "(steps 30) but no checkpoint_manager_snapshot.json" in message
     assert_same_state(final_state(cfg, 30), reference[2])  # nothing was deleted
-
-
-def test_checkpoint_of_another_model_is_refused_in_one_line(tmp_path, dataset, reference):
-    ref_cfg = reference[0]
-    cfg = make_config(
-        tmp_path,
-        dataset,
-        "run.name=ref",
-        f"run.storage_path={ref_cfg.run.storage_path}",
-        "model.preset=small",
-        "train.max_steps=30",
-    )
-    with pytest.raises(CheckpointError) as e:
-        run(cfg)
-    message = str(e.value)
-    assert "\n" not in message and message.startswith(f"checkpoint {run_root(ref_cfg)}/step-30 belongs to a different")
-    assert "model.preset: checkpoint tiny vs config small" in message
-
-
-def test_the_ray_free_session_trains_the_same_bits_as_ray(tmp_path, dataset, reference):
-    """`tests/local_run.py` (gloo ranks on a `LocalSession`, no Ray) is what the loop-level tests run
-    on: it must train what a Ray Train run trains, bit for bit, on the same sequences, so that their
-    comparisons against the Ray reference hold."""
-    ref_cfg, _, ref_state = reference
-    cfg = make_config(tmp_path, dataset, "run.name=ref", "train.max_steps=30", "data.audit=true", *GUARDED)
-    run_id = local_run(cfg)
-    assert_same_state(final_state(cfg, 30), ref_state)
-    assert read_audit(run_root(cfg)).equals(read_audit(run_root(ref_cfg)))
-    assert_resumed(cfg.tracking.uri, run_id, [0])
-    assert metric_by_step(cfg, run_id, "train/lr") == uninterrupted_lrs(cfg.train)

@@ -79,6 +79,7 @@ def test_three_failures_make_three_recovery_rows_and_the_history_cli_prints_them
     assert_resumed(cfg.tracking.uri, run_id, [0, 10, 20, 25])
     assert_same_state(final_state(cfg, 30), ref_state)
     assert read_audit(run_root(cfg)).equals(read_audit(run_root(ref_cfg)))
+    assert read_audit(run_root(cfg)).num_rows == 30 * 8  # one row per sequence: 30 global batches of 8
     assert_kept_timeline(cfg, run_id, ref_cfg, ref_run, discarded=[11, 21, 22, 26, 27])
     client = MlflowClient(tracking_server)
     experiment = client.get_experiment_by_name("raytrain-ft")
@@ -93,6 +94,7 @@ def test_three_failures_make_three_recovery_rows_and_the_history_cli_prints_them
         (27, 25, 2),
     ]
     assert "rank 1" in rows[0]["cause"] and "InjectedFault" in rows[1]["cause"] and "rank 1" in rows[2]["cause"]
+    assert client.get_run(run_id).data.tags["last_failure_cause"] == rows[2]["cause"]  # the hang, root cause first
     assert all(r["downtime_s"] > 0 and r["world_size_before"] == r["world_size_after"] == 2 for r in rows)
     # each recovery's phases in the order they happen (seconds after the failure was detected)
     assert all(0 < r["group_ready_s"] <= r["restored_s"] <= r["first_batch_s"] <= r["downtime_s"] for r in rows)

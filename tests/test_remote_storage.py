@@ -15,7 +15,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from moto.server import ThreadedMotoServer
 
-from conftest import REPO, STDLIB_JSON, assert_resumed, assert_same_state, checkpoint_state
+from conftest import REPO, assert_resumed, assert_same_state, checkpoint_state
 from raytrain_ft.run_folder import step_path
 
 
@@ -46,33 +46,13 @@ def s3_env(monkeypatch):
     server.stop()
 
 
-def test_s3_data_and_checkpoints_resume_to_the_local_weights(tmp_path, s3_env, reference):
+def test_s3_data_and_checkpoints_resume_to_the_local_weights(tmp_path, s3_env, dataset, reference):
+    """`python jobs/pretrain.py` with the data and the run on `s3://`: the local `dataset` fixture's
+    files uploaded as they are (`prepare` writing to S3: test_prepare.py::test_given_tokenizer_to_s3)."""
+    import s3fs
+
+    s3fs.S3FileSystem().put(dataset, "rtft/data/tiny", recursive=True)
     env = {**os.environ, **s3_env, "RAY_AUTH_MODE": "disabled"}
-    prep = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(REPO, "jobs", "prepare_data.py"),
-            "--input",
-            STDLIB_JSON,
-            "--output",
-            "s3://rtft/data/tiny",
-            "--seq-len",
-            "32",
-            "--vocab-size",
-            "512",
-            "--rows-per-row-group",
-            "2",
-            "--validation-fraction",  # no held-out split: the same corpus as the local `dataset` fixture
-            "0",
-            "--validation-min-docs",
-            "0",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert prep.returncode == 0, prep.stderr[-2000:]
     common = ["run.name=s3", "train.max_steps=30"]
     job = subprocess.run(
         [
@@ -98,7 +78,5 @@ def test_s3_data_and_checkpoints_resume_to_the_local_weights(tmp_path, s3_env, r
     )
     assert_resumed(uri, mlflow_run.info.run_id, [0, 10])  # restored from s3://, not re-run from 0
     assert_same_state(checkpoint_state(step_path("s3://rtft/runs/s3", 30)), reference[2])  # the local-storage run
-    import s3fs
-
     steps = sorted(p.rsplit("/", 1)[-1] for p in s3fs.S3FileSystem().ls("rtft/runs/s3") if "/step-" in p)
     assert steps == ["step-20", "step-25", "step-30"]  # committed on S3, retention (num_to_keep=3) applied there

@@ -42,11 +42,11 @@ def elastic_config(dataset: str, workdir: str) -> Config:
             f"run.storage_path={workdir}/runs",
             f"tracking.uri=sqlite:///{workdir}/mlflow.db",
             "run.name=elastic",
-            # the grow-back comes at about step 45 (preemption notice after the step-20 commit, the shrink, the
-            # node added back, the next resize check, the restart): 25 steps of margin, ~15 s
-            "train.max_steps=70",
+            # the grow-back comes at about step 35 (preemption notice after the step-10 commit, the shrink, the
+            # node added back, the next resize check, the restart): 20 steps of margin, ~15 s
+            "train.max_steps=55",
             # steps of a steady 0.6 s that leave the CPUs to Ray: the run outlasts the shrink and the grow-back
-            "faults=[{kind: slow, step: 1, steps: 70, seconds: 0.6, rank: -1}]",
+            "faults=[{kind: slow, step: 1, steps: 55, seconds: 0.6, rank: -1}]",
             "train.global_batch_size=8",
             "checkpoint.interval_steps=10",
             "scaling.num_workers=[2,3]",
@@ -75,7 +75,7 @@ def main(dataset: str, workdir: str) -> None:
     trainer.start()
     # Cluster changes must come from the main thread (Ray installs signal handlers there).
     snapshot = Path(run_root, "checkpoint_manager_snapshot.json")
-    while not (snapshot.exists() and '"step-20"' in snapshot.read_text()):
+    while not (snapshot.exists() and '"step-10"' in snapshot.read_text()):
         time.sleep(0.5)
     run_id = Path(run_root, "mlflow_run_id").read_text().strip()
     # A spot reclaim notice for the worker node (what the autoscaler sends on preemption) ...
