@@ -17,7 +17,8 @@ Each of `--rounds` rounds (3) runs, one after the other in one Ray session:
    replica validates the whole set: with the demo's interval of 10 it cost `replica` 19 s of a
    180 s round, more than its 7 s of recovery, and `restart` 10 s). `train.max_steps` covers the
    drawn gaps plus `--tail-s` (5 s) of training at the mode's median step time of the previous
-   round (round 1: `--step-s`, 2.6 s, this machine's); if the run ends before a drawn kill, that
+   round (round 1: `--step-s`, 1.7 s, this machine's without validation; an estimate above the
+   real step time ends round 1's runs before their last kill); if the run ends before a drawn kill, that
    kill is reported as missed.
    * `restart`: a kill restarts the whole group; its clock for the next gap starts at the new
      attempt's first step. From MLflow: the goodput summary, the checkpoint cost, and per kill the
@@ -51,9 +52,9 @@ its last kill than `restart`'s); the bound; kill -> first resumed step (median o
 `replica`, kill -> survivors commit again (target: median <= 3 s) and kill -> replacement joined;
 and the goodput ceiling that the plain restart alone sets (`ceiling`: no checkpoint cost, no restore
 of ours). Goodput targets: `restart` >= 0.85, `replica` >= 0.90. Scale on the 2-core reference
-machine: 3 rounds x (2 kills in each raytrain-ft mode + 2 kills in ~1.5 min of plain); the
-two-loop version took 19 minutes, the `replica` loop adds a run as long as `restart`'s (seed 0: 360 s
-of drawn training per mode). Prints JSON and writes benchmarks/results/goodput.json.
+machine: 3 rounds x (2 kills in each raytrain-ft mode + 2 kills in ~1.5 min of plain), about 18
+minutes (seed 0: 360 s of drawn training per mode). Prints JSON and writes
+benchmarks/results/goodput.json.
 """
 
 from __future__ import annotations
@@ -402,7 +403,7 @@ def main() -> None:
     p.add_argument("--mtbf-s", type=float, default=60.0, help="mean seconds of training between kills (realised)")
     p.add_argument("--tail-s", type=float, default=5.0, help="seconds of training after the last drawn kill")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--step-s", type=float, default=2.6, help="round 1's step time estimate (later: measured)")
+    p.add_argument("--step-s", type=float, default=1.7, help="round 1's step time estimate (later: measured)")
     p.add_argument(
         "--validation-interval",
         type=int,
