@@ -96,7 +96,11 @@ def main() -> None:
     split = args.index("--bytes") if "--bytes" in args else len(args)
     os.makedirs(out, exist_ok=True)
     store = os.path.join(tempfile.mkdtemp(), "store")
-    mp.spawn(worker, args=(store, out, args[:split], args[split + 1 :]), nprocs=WORLD_SIZE)
+    # forkserver: a rank ends with os._exit, skipping the interpreter's finalization, where a spawned
+    # rank aborted about one run in eight ("terminate called without an active exception").
+    mp.start_processes(
+        worker, args=(store, out, args[:split], args[split + 1 :]), nprocs=WORLD_SIZE, start_method="forkserver"
+    )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 import xxhash
 
 from conftest import flip_bit, stored_item
@@ -38,14 +37,6 @@ from raytrain_ft.train_state import (
     missing_components,
     rng_key,
 )
-
-
-@pytest.fixture
-def gloo(tmp_path):
-    """A one-rank gloo process group in this process."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class Run:
@@ -81,7 +72,7 @@ class Run:
 
 
 @pytest.fixture
-def saved(tmp_path, gloo):
+def saved(tmp_path, process_group):
     """A run folder with committed step-4 and step-8 checkpoints; the state at each step."""
     root, run, states = str(tmp_path / "run"), Run(seed=0), {}
     ckpt = Checkpointer(root, lambda step, path: None)
@@ -260,7 +251,7 @@ def test_every_item_carries_a_checksum_written_on_the_save_thread(saved, monkeyp
     assert threads and "MainThread" not in threads
 
 
-def test_checksums_on_an_object_store(tmp_path, gloo, monkeypatch):
+def test_checksums_on_an_object_store(tmp_path, process_group, monkeypatch):
     # the writer's hashing streams and the reader's range hashing through s3fs (a local moto server)
     import socket
 

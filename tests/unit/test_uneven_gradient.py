@@ -61,7 +61,7 @@ def three_ranks(rank: int, workdir: str) -> None:
 @pytest.fixture(scope="module")
 def at_three_ranks(tmp_path_factory) -> dict:
     workdir = tmp_path_factory.mktemp("w3")
-    mp.start_processes(three_ranks, (str(workdir),), nprocs=3, start_method="spawn")
+    mp.start_processes(three_ranks, (str(workdir),), nprocs=3, start_method="forkserver")
     return torch.load(workdir / "out.pt")
 
 

@@ -91,7 +91,7 @@ def test_fsdp_at_two_ranks_and_ddp_at_one_give_the_same_val_loss(tmp_path, proce
     dcp.save({"model": ModelState(par.model)}, checkpoint_id=str(tmp_path / "ckpt"))
 
     ddp, restored = val_loss(str(tmp_path), "ddp", micro_batch_size=2)
-    mp.start_processes(two_ranks, (str(tmp_path),), nprocs=2, start_method="spawn")
+    mp.start_processes(two_ranks, (str(tmp_path),), nprocs=2, start_method="forkserver")
     fsdp, fsdp_restored = torch.load(tmp_path / "fsdp.pt")
 
     assert restored and fsdp_restored  # train mode back on
