@@ -24,16 +24,17 @@ import dataclasses
 import io
 import json
 import pickle
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import fsspec
 import xxhash
+from torch.distributed.checkpoint._extension import StreamTransformExtension
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageWriterTransforms
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import WriteItem
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -94,7 +95,7 @@ class _HashingTransforms(_StorageWriterTransforms):
     """DCP's per-item stream transform hook: wraps each item's output stream in a hasher, innermost,
     so the checksum covers the bytes as stored (after any compression extension)."""
 
-    def __init__(self, extensions):
+    def __init__(self, extensions: Sequence[StreamTransformExtension] | None) -> None:
         super().__init__(extensions)
         self.hashers: dict[Any, Any] = {}  # WriteItem.index -> xxh3_64 of that item's bytes
 
@@ -132,13 +133,15 @@ class ChecksummedWriter(FsspecWriter):
     `<checkpoint>/.checksums` (see the module docstring). Runs wherever DCP runs the write: the async save's
     write thread."""
 
+    transforms: _HashingTransforms
+
     def __init__(self, path: str, **kwargs):
         super().__init__(path, **kwargs)
         self.fs: _HashingFileSystem = _HashingFileSystem()  # type: ignore[assignment]  # FsspecWriter types it as its base
         self.path = self.fs.init_path(path)
         self.transforms = _HashingTransforms(self.transforms.extensions)
 
-    def write_data(self, plan, planner):
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self.transforms.hashers.clear()
         results = super().write_data(plan, planner).wait()  # DCP's file writer is synchronous
         checked = [
@@ -149,7 +152,7 @@ class ChecksummedWriter(FsspecWriter):
             )
             for r in results
         ]
-        fut: Future = Future()
+        fut: Future[list[WriteResult]] = Future()
         fut.set_result(checked)
         return fut
 
