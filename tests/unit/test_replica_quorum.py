@@ -227,6 +227,25 @@ def flat(state: TrainState, key: str):
     return flat_optimizer_state(state).items() if key == KEY_OPTIM else state.components[key].state_dict().items()
 
 
+def attempt(r: Replica, step: int) -> bool:
+    """Replica `r` trains `step` up to its commit (no audit, no optimizer step); whether it committed."""
+    r.replicas.begin()
+    g = r.replicas.share.plan.global_batch_size
+    (r.model(r.data[r.position.consumed : r.position.consumed + g]).sum()).backward()
+    r.replicas.reduce(r.par)
+    r.replicas.agree(step, 0.0, False)
+    committed = r.replicas.commit()
+    r.optimizer.zero_grad(set_to_none=True)
+    return committed
+
+
+def dies_in_the_quorum(r: Replica) -> None:
+    """Replica `r` joins the next quorum, then its process group and Manager go away (a SIGKILL)."""
+    r.replicas.begin()
+    r.replicas.manager._pg.abort()
+    r.replicas.manager.shutdown(wait=False)
+
+
 def test_a_step_whose_peer_dies_in_the_all_reduce_does_not_commit_and_is_trained_again(lighthouse, process_group):
     cfg = load_config(None, ["failure.recovery=replica", "train.global_batch_size=4", "train.micro_batch_size=1"])
     data = torch.randn(40, 3)
@@ -240,23 +259,8 @@ def test_a_step_whose_peer_dies_in_the_all_reduce_does_not_commit_and_is_trained
             f.result()
     assert b.participants[-1] == 2 and a.participants[-1] == 2
 
-    def b_dies() -> None:  # b joins the next quorum, then its process group and manager go away
-        b.replicas.begin()
-        b.replicas.manager._pg.abort()
-        b.replicas.manager.shutdown(wait=False)
-
-    def a_trains() -> list[bool]:
-        a.replicas.begin()
-        g = a.replicas.share.plan.global_batch_size
-        (a.model(data[a.position.consumed : a.position.consumed + g]).sum()).backward()
-        a.replicas.reduce(a.par)
-        a.replicas.agree(3, 0.0, False)
-        committed = a.replicas.commit()
-        a.optimizer.zero_grad(set_to_none=True)
-        return committed
-
     with ThreadPoolExecutor(2) as pool:
-        dying, training = pool.submit(b_dies), pool.submit(a_trains)
+        dying, training = pool.submit(dies_in_the_quorum, b), pool.submit(attempt, a, 3)
         dying.result()
         assert training.result() is False  # the all-reduce failed: the step does not count
     assert a.recorder.events == [{"kind": "step_not_committed", "replica": 0, "step": 3, "participants": 2}]
@@ -375,5 +379,46 @@ def test_a_tenfold_loss_on_one_replica_is_a_rank_spread_alert_on_both(lighthouse
     events = [e for r in (a, b) for e in r.recorder.events if e["kind"] == "rank_spread"]
     assert len(events) == 1 and events[0]["step"] == 4
     assert sorted(events[0]["loss_grad_norm_by_rank"]) == [[1.0, 1.0], [10.0, 1.0]]
+    for r in (a, b):
+        r.replicas.manager.shutdown(wait=False)
+
+
+def test_of_three_replicas_one_dies_in_the_all_reduce_and_the_two_survivors_train_its_step_over_the_whole_batch(
+    lighthouse, process_group
+):
+    """Three replicas train steps 1-3 together (a global batch of 6: 2 sequences each); c dies in
+    step 4's all-reduce; a and b do not commit it, train it again as a quorum of two (3 sequences
+    each) and step 5 too: every step's sample ids are the global batch's 6, once each, the data
+    position counts 5 whole batches, and the survivors stay bitwise equal."""
+    cfg = load_config(None, ["failure.recovery=replica", "train.global_batch_size=6", "train.micro_batch_size=1"])
+    data = torch.randn(60, 3)
+    a = Replica(cfg, 0, data)
+    lighthouse()
+    b = Replica(cfg, 1, data)
+    lighthouse()
+    c = Replica(cfg, 2, data)
+    assert train_together((a, b, c), until=3) == [None, None, None]
+    assert a.participants[-1] == b.participants[-1] == c.participants[-1] == 3
+
+    with ThreadPoolExecutor(3) as pool:
+        dying = pool.submit(dies_in_the_quorum, c)
+        training = [pool.submit(attempt, r, 4) for r in (a, b)]
+        dying.result()
+        assert [f.result() for f in training] == [False, False]  # the all-reduce failed: step 4 does not count
+    assert train_together((a, b), until=5) == [None, None]
+    assert a.participants[-2:] == b.participants[-2:] == [2, 2]
+    assert a.position == b.position == DataPosition(0, 30)
+    for r in (a, b):
+        assert r.recorder.events == [
+            {"kind": "step_not_committed", "replica": r.replicas.replica_index, "step": 4, "participants": 3}
+        ]
+        rows = dict(r.audit.rows)  # step -> (participants, 4) ids, -1 where a share is shorter
+        assert sorted(rows) == [1, 2, 3, 4, 5]
+        assert [len(rows[s]) for s in (3, 4, 5)] == [3, 2, 2]
+        for step, ids in rows.items():
+            assert sorted(ids[ids >= 0].tolist()) == list(range(6 * (step - 1), 6 * step)), step
+    for key in (KEY_MODEL, KEY_OPTIM):
+        ours, theirs = dict(flat(a.state, key)), dict(flat(b.state, key))
+        assert ours and all(torch.equal(ours[k], theirs[k]) for k in ours), key
     for r in (a, b):
         r.replicas.manager.shutdown(wait=False)
