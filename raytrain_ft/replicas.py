@@ -87,6 +87,7 @@ from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.guards import SkipDisagreementError
 from raytrain_ft.parallel import Parallel
 from raytrain_ft.recorder import Recorder
+from raytrain_ft.run_folder import replica_final_file
 from raytrain_ft.train_state import KEY_GUARDS, KEY_META, KEY_MODEL, KEY_OPTIM, TrainState
 
 log = logging.getLogger(__name__)
@@ -345,9 +346,7 @@ class Replicas:
         tensors = {**self.state.components[KEY_MODEL].state_dict(), **flat_optimizer_state(self.state)}
         guard = pickle.loads(self.state.components[KEY_GUARDS].state_dict()["pickle"])
         record = {"step": self.manager.current_step(), "digest": state_digest(tensors), "skipped": guard["skipped"]}
-        with fsspec.open(
-            f"{run_root.rstrip('/')}/workers/replica{self.replica_index}.final.json", "w", auto_mkdir=True
-        ) as f:
+        with fsspec.open(replica_final_file(run_root, self.replica_index), "w", auto_mkdir=True) as f:
             json.dump(record, f)
         self.manager.shutdown(wait=False)
 

@@ -11,6 +11,7 @@ there, and the helpers that read and write them. No other module spells a path i
     extensions.json                   `raytrain-ft extend` records (the next submission's preflight checks them)
     run_ended_by_error                a worker's message for an error no restart cures (a full disk)
     workers/rank<R>.json              each worker's pid, node IP and start time, per attempt
+    workers/replica<R>.final.json     a replica's final state digest (`failure.recovery: replica`)
     hangs/rank<R>-<unix s>.txt        a hung rank's stack dump (`raytrain_ft.watchdog`)
     faults/<index>-<step>.fired       fault-injection markers: a fault fires once per run
     audit/<ns>-<first>-<last>.parquet the sample ids every rank trained (`raytrain_ft.data.audit`)
@@ -194,6 +195,12 @@ def raise_if_ended(root: str) -> None:
 
 def _worker_record(root: str, rank: int) -> str:
     return run_file(root, WORKERS_DIR, f"rank{rank}.json")
+
+
+def replica_final_file(root: str, replica: int) -> str:
+    """`workers/replica<R>.final.json`: replica R's step, state digest and skip count at its end
+    (`raytrain_ft.replicas.Replicas.finish`)."""
+    return run_file(root, WORKERS_DIR, f"replica{replica}.final.json")
 
 
 def write_worker_record(root: str, rank: int) -> None:

@@ -48,7 +48,14 @@ from raytrain_ft.data.position import BatchPlan, DataPosition
 from raytrain_ft.launch.driver import run
 from raytrain_ft.recovery import KILLED, recovery_rows, replacement_rows
 from raytrain_ft.replicas import state_digest
-from raytrain_ft.run_folder import complete_steps, fault_marker, read_latest, step_path, worker_records
+from raytrain_ft.run_folder import (
+    complete_steps,
+    fault_marker,
+    read_latest,
+    replica_final_file,
+    step_path,
+    worker_records,
+)
 from raytrain_ft.tracking import MlflowRecorder, steps_logged_since
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -61,7 +68,7 @@ HOLD_S = 4.0
 
 
 def final_digest(root: str, replica: int) -> dict:
-    return json.loads(Path(root, "workers", f"replica{replica}.final.json").read_text())
+    return json.loads(Path(replica_final_file(root, replica)).read_text())
 
 
 def current_workers(root: str) -> dict[int, dict]:

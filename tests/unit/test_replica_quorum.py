@@ -9,6 +9,7 @@ import json
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from raytrain_ft.guards import RankChecks, RankSpreadError, ReplicaMismatchError
 from raytrain_ft.parallel import Parallel
 from raytrain_ft.recorder import Gated, NullRecorder, Recorder
 from raytrain_ft.replicas import Replicas, Share, flat_optimizer_state, state_digest
+from raytrain_ft.run_folder import replica_final_file
 from raytrain_ft.train_state import (
     KEY_DATA,
     KEY_GUARDS,
@@ -91,7 +93,7 @@ def test_one_replica_trains_the_whole_batch_and_commits(lighthouse, tmp_path):
     assert replicas.manager.current_step() == 6  # the Manager counts on from the restored step
 
     replicas.finish(str(tmp_path))
-    record = json.loads((tmp_path / "workers" / "replica0.final.json").read_text())
+    record = json.loads(Path(replica_final_file(str(tmp_path), 0)).read_text())
     expected = state_digest({**model.state_dict(), **flat_optimizer_state(state)})
     assert record == {"step": 6, "digest": expected, "skipped": 2}
     assert any(k.startswith("optim.state.weight.") for k in record["digest"])
