@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.storage import StorageReader
 
 from raytrain_ft.errors import CheckpointError, CorruptCheckpointError, StorageFullError
 from raytrain_ft.fingerprint import check_fingerprint
@@ -403,7 +404,7 @@ def peek(checkpoint: str | None, components: dict[str, Stateful]) -> None:
         load_alone(components, reader)
 
 
-def load_alone(state: dict, reader: ChecksummedReader) -> None:
+def load_alone(state: dict, reader: StorageReader) -> None:
     """`dcp.load(state)` from `reader` in this process alone (`no_dist`: no process group, no
     collective), without DCP's warning that "torch.distributed is disabled" (the intent here; a
     CLI's one-line error must not follow a warning on stderr).

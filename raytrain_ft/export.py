@@ -24,15 +24,14 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from dataclasses import dataclass
 
 import fsspec
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from raytrain_ft.checkpoint import load_alone
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.errors import CheckpointError, DataError, UserError
 from raytrain_ft.integrity import verify_checkpoint
@@ -72,12 +71,6 @@ class Export:
     bound_bytes: int
 
 
-def _no_dist_load(state: dict, checkpoint: str) -> None:
-    with warnings.catch_warnings():  # DCP warns that no_dist means "torch.distributed is disabled"
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(state, storage_reader=FsspecReader(checkpoint), no_dist=True)
-
-
 def read_meta(checkpoint: str) -> tuple[RunMeta, int, Metadata]:
     """The checkpoint's `RunMeta` (fingerprint, MLflow run id), its step and its DCP metadata.
 
@@ -90,7 +83,7 @@ def read_meta(checkpoint: str) -> tuple[RunMeta, int, Metadata]:
     except FileNotFoundError:
         raise CheckpointError(f"{checkpoint} is not a complete checkpoint (no {METADATA_FILE})") from None
     meta, progress = RunMeta(fingerprint={}), Progress()
-    _no_dist_load({KEY_META: meta, KEY_PROGRESS: Pickled(progress)}, checkpoint)
+    load_alone({KEY_META: meta, KEY_PROGRESS: Pickled(progress)}, FsspecReader(checkpoint))
     return meta, progress.step, metadata
 
 
@@ -200,7 +193,7 @@ def export_checkpoint(
             saved = metadata.state_dict_metadata[key]
             assert isinstance(saved, TensorStorageMetadata)  # model weights are tensors (check_complete)
             tensor = torch.empty(saved.size, dtype=saved.properties.dtype)
-            _no_dist_load({key: tensor}, checkpoint)
+            load_alone({key: tensor}, FsspecReader(checkpoint))
             shard[name] = tensor.to(target)
         save_file(shard, os.path.join(out_dir, filename), metadata={"format": "pt"})
     if split.is_sharded:

@@ -206,30 +206,32 @@ class RankChecks:
     ):
         self.cfg, self.par, self.members, self.recorder, self.settle = cfg, par, members, recorder, settle
         self.diverged = False  # the last fingerprint found a mismatch
+        self.checked_step = -1  # the step of the last fingerprint
 
     def tags(self) -> dict[str, str]:
         """MLflow tag `replica_fingerprint`: whether the fingerprint applies."""
         on = self.members().holds_copies(self.par)
         return {"replica_fingerprint": "on" if on else "not applicable (fsdp: no two ranks hold the same weights)"}
 
-    def monitor(self, step: int, local_loss: float, grad_norm: float) -> None:
-        """Cross-member sanity check and replica fingerprint at their intervals."""
+    def monitor(self, step: int, local_loss: float, grad_norm: float, before_save: bool = False) -> None:
+        """Cross-member sanity check and replica fingerprint at their intervals; the fingerprint also
+        when `before_save` (every member got it from `StepMembers.agree`: a save may follow)."""
         g = self.cfg
         if step % g.rank_check.interval_steps == 0:
             rows = self.members().gather(torch.tensor([local_loss, grad_norm], dtype=torch.float64))
             detail = spread_alert(rows, g.rank_check.max_spread)
             if detail is not None:
                 self.alert(step, "rank_spread", detail)
-        if step % g.fingerprint.interval_steps == 0:
+        if step % g.fingerprint.interval_steps == 0 or before_save:
             self.check_replicas(step)
 
     def fit_to_save(self, step: int) -> bool:
         """Before a save, on the members that save: the fingerprint, when every member reaches the
         save (a collective); else (one replica saves alone, `saves_together` False) the verdict of
-        the last fingerprint across the members, at its interval."""
+        the fingerprint the members ran at this step (`monitor(before_save=True)`): False when none ran."""
         if self.members().saves_together:
             return self.check_replicas(step)
-        return not self.diverged
+        return self.checked_step == step and not self.diverged
 
     def check_replicas(self, step: int) -> bool:
         """Compare the checksums of the same shard across the members holding copies of it; alert
@@ -240,7 +242,7 @@ class RankChecks:
             return True
         row = torch.tensor([self.par.shard_index, replica_checksum(self.par.local_parameters())], dtype=torch.int64)
         detail = mismatch_alert(members.gather(row))
-        self.diverged = detail is not None
+        self.diverged, self.checked_step = detail is not None, step
         if detail is None:
             return True
         self.alert(step, "replica_mismatch", detail)

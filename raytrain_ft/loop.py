@@ -394,8 +394,10 @@ class Trainer:
         self.members.reduce(self.par)  # replicas: their gradients averaged over the step's participants
         grad_norm = self.par.clip_grad_norm_(self.cfg.train.grad_clip)
         skip, median = self.guard.judge(grad_norm)
-        # SUM of the members' losses (the global mean loss x members); one skip decision for all of them
-        loss_sum, skip = self.members.agree(step, weighted, skip)
+        # SUM of the members' losses (the global mean loss x members); one skip decision for all of
+        # them; whether the saver may save after this step (then every member runs the fingerprint)
+        may_save = self.members.saves and (self.save_due or self.schedule.due(step) or step == self.cfg.train.max_steps)
+        loss_sum, skip, before_save = self.members.agree(step, weighted, skip, may_save)
         if not self.members.commit():  # a peer failed during the step: its time is lost to that failure
             self.optimizer.zero_grad(set_to_none=True)
             self.ledger.add("replacement", time.time())
@@ -424,7 +426,7 @@ class Trainer:
                 share.plan.world_size,
             )
         )
-        self.checks.monitor(step, local_loss, grad_norm)
+        self.checks.monitor(step, local_loss, grad_norm, before_save)
         if self.guard.consecutive >= self.cfg.guards.spike.max_consecutive_skips:
             self.rollback(step)
         else:

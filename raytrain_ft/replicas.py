@@ -2,14 +2,14 @@
 
 The loop asks its `StepMembers` five things per optimizer step, whatever the recovery mode:
 `begin()` (this step's `Share`: the batch split and this rank's place in it), `reduce(par)` after
-the forward/backward passes, `agree(step, loss, skip)` (the members' summed loss and one spike-guard
-decision for all of them), `commit()` before the optimizer step, and `gather(row)` for the data
-audit and the guards' cross-member checks (`guards.RankChecks`: the rank-spread check and the
-replica fingerprint compare the rows of every member of the step); `saves` and `records` say
-whether this rank writes the step's checkpoint and records its metrics, `holds_copies(par)` whether
-the members hold copies of the same weights (the fingerprint applies) and `saves_together` whether
-every member reaches each save (the fingerprint before a save is a collective then). Two
-implementations:
+the forward/backward passes, `agree(step, loss, skip, may_save)` (the members' summed loss, one
+spike-guard decision for all of them, and whether the fingerprint runs before a save), `commit()`
+before the optimizer step, and `gather(row)` for the data audit and the guards' cross-member checks
+(`guards.RankChecks`: the rank-spread check and the replica fingerprint compare the rows of every
+member of the step); `saves` and `records` say whether this rank writes the step's checkpoint and
+records its metrics, `holds_copies(par)` whether the members hold copies of the same weights (the
+fingerprint applies) and `saves_together` whether every member reaches each save (the fingerprint
+before a save is a collective there). Two implementations:
 
 * `WholeGroup` (`failure.recovery: restart`): every rank of the process group trains every step
   with the same split; the strategy (DDP, FSDP) already reduced the gradients; the ranks' guard
@@ -43,9 +43,10 @@ implementations:
      `holds_copies`). A replica whose weights differ from its peers' (a heal that was not bitwise,
      a flipped bit) raises the same `replica_mismatch` alert on every participant as a DDP rank
      would under restart recovery. The fingerprint runs at `guards.fingerprint.interval_steps` (every
-     participant of a committed step, a schedule they share); before a save only the saver runs
-     (`saves_together` is False: each replica plans its saves alone, so a collective there could
-     pair with a peer's next step), and it saves only if the last cross-replica fingerprint passed.
+     participant of a committed step, a schedule they share) and before every save: each replica
+     plans its saves alone (`saves_together` is False), so the saver announces in `agree` that a
+     save may follow the step, every participant then runs the fingerprint after the optimizer
+     step, and the saver saves only if that step's fingerprint ran and passed.
 
   Validation is not split across replicas: each replica evaluates the whole validation set in its
   own group of one (`validation.Validation` with world size 1). That costs P times the compute of a
@@ -153,8 +154,9 @@ class WholeGroup:
     def reduce(self, par: Parallel) -> None:
         """The strategy reduced the gradients in backward."""
 
-    def agree(self, step: int, loss: float, skip: bool) -> tuple[float, bool]:
-        """(every rank's `loss` summed, the skip decision) over the group (a collective).
+    def agree(self, step: int, loss: float, skip: bool, may_save: bool) -> tuple[float, bool, bool]:
+        """(every rank's `loss` summed, the skip decision, False) over the group (a collective). The
+        fingerprint before a save needs no signal here: every rank reaches each save (`saves_together`).
 
         Raises:
             SkipDisagreementError: the ranks' guards decided differently (their grad norms differ).
@@ -163,7 +165,7 @@ class WholeGroup:
         dist.all_reduce(totals, group=self.group)
         if totals[1].item() not in (0, dist.get_world_size(self.group)):
             raise SkipDisagreementError(f"step {step}: ranks disagree on skipping (grad norms differ)")
-        return totals[0].item(), skip
+        return totals[0].item(), skip, False
 
     def commit(self) -> bool:
         return True
@@ -285,10 +287,14 @@ class Replicas:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def agree(self, step: int, loss: float, skip: bool) -> tuple[float, bool]:
-        """(the participants' `loss` summed, whether any participant's guard skips the step): one
-        all-reduce, before the commit (a failed one makes `commit()` False)."""
-        totals = torch.tensor([loss, float(skip)], dtype=torch.float64)
+    def agree(self, step: int, loss: float, skip: bool, may_save: bool) -> tuple[float, bool, bool]:
+        """(the participants' `loss` summed, whether any participant's guard skips the step, whether
+        the step's saver may save after it): one all-reduce, before the commit (a failed one makes
+        `commit()` False). `may_save`: this replica saves (`saves`) and a save may follow the step;
+        when the saver's is True every participant runs the fingerprint after the optimizer step
+        (`RankChecks.monitor`), so the saver's weights are compared with its peers' just before it
+        saves them (`RankChecks.fit_to_save`)."""
+        totals = torch.tensor([loss, float(skip), float(may_save)], dtype=torch.float64)
         self.manager.allreduce(totals, reduce_op=dist.ReduceOp.SUM).wait()
         votes = totals[1].item()
         if votes != float(skip) * self.manager.num_participants() and votes > 0:
@@ -298,7 +304,7 @@ class Replicas:
                 step,
                 votes,
             )
-        return totals[0].item(), votes > 0
+        return totals[0].item(), votes > 0, totals[2].item() > 0
 
     def commit(self) -> bool:
         """Whether the step counts (`Manager.should_commit`); False: train it again (a

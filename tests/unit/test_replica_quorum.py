@@ -85,7 +85,7 @@ def test_one_replica_trains_the_whole_batch_and_commits(lighthouse, tmp_path):
     par = Parallel("ddp", model, model, 1, 1, 0, False)
     replicas.reduce(par)
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
-    assert replicas.agree(6, 2.5, False) == (2.5, False)  # the sum over one participant
+    assert replicas.agree(6, 2.5, False, False) == (2.5, False, False)  # the sum over one participant
     ids = torch.tensor([4, 9, -1])
     assert torch.equal(replicas.gather(ids), ids[None])
     assert replicas.commit()
@@ -114,7 +114,8 @@ class Events(NullRecorder):
 
 class Replica:
     """A replica's model, optimizer, progress and spike guard, and the loop's step reduced to its
-    replica calls. `skip_at`: steps at which this replica's guard judges the step a skip."""
+    replica calls. `skip_at`: steps at which this replica's guard judges the step a skip; `save_at`:
+    steps after which the step's saver saves (if `RankChecks.fit_to_save`: the steps in `saved`)."""
 
     def __init__(
         self,
@@ -123,6 +124,7 @@ class Replica:
         data: torch.Tensor,
         replacement: bool = False,
         skip_at: tuple = (),
+        save_at: tuple = (),
         fingerprint_every: int = 1000,
         rank_check_every: int = 1000,
     ):
@@ -130,7 +132,8 @@ class Replica:
         self.model = torch.nn.Linear(3, 1)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.1)
         self.progress, self.position, self.data = Progress(), DataPosition(), data
-        self.guard, self.skip_at = SpikeGuard(), skip_at
+        self.guard, self.skip_at, self.save_at = SpikeGuard(), skip_at, save_at
+        self.saved: list[int] = []
         self.state = TrainState(0)
         self.state.add(KEY_MODEL, ModelState(self.model))
         self.state.add(KEY_OPTIM, OptimizerState(self.model, self.optimizer))
@@ -175,7 +178,8 @@ class Replica:
         (self.model(batch).pow(2).sum() / g * share.plan.world_size).backward()  # pass weight n x P / G
         self.replicas.reduce(self.par)
         step = self.progress.step + 1
-        _, skip = self.replicas.agree(step, 0.0, step in self.skip_at)
+        may_save = self.replicas.saves and step in self.save_at
+        _, skip, before_save = self.replicas.agree(step, 0.0, step in self.skip_at, may_save)
         if self.replicas.commit():
             self.guard.record(1.0, skip)
             if skip:
@@ -185,7 +189,11 @@ class Replica:
             self.progress.step += 1
             self.position.advance(g, steps_per_epoch=100)
             self.participants.append(share.plan.world_size)
-            self.checks.monitor(step, self.loss, 1.0)  # the rank check and fingerprint, across the replicas
+            self.checks.monitor(
+                step, self.loss, 1.0, before_save
+            )  # the rank check and fingerprint, across the replicas
+            if may_save and self.checks.fit_to_save(step):
+                self.saved.append(step)
         self.optimizer.zero_grad(set_to_none=True)
 
 
@@ -235,7 +243,7 @@ def attempt(r: Replica, step: int) -> bool:
     g = r.replicas.share.plan.global_batch_size
     (r.model(r.data[r.position.consumed : r.position.consumed + g]).sum()).backward()
     r.replicas.reduce(r.par)
-    r.replicas.agree(step, 0.0, False)
+    r.replicas.agree(step, 0.0, False, False)
     committed = r.replicas.commit()
     r.optimizer.zero_grad(set_to_none=True)
     return committed
@@ -362,6 +370,34 @@ def test_a_bit_flipped_in_one_replica_is_caught_by_the_fingerprint_on_both_repli
     assert rows_a == rows_b and len(rows_a) == 2 and rows_a[0][1] != rows_a[1][1]
     events = [e for r in (a, b) for e in r.recorder.events if e["kind"] == "replica_mismatch"]
     assert events == [{"kind": "replica_mismatch", "step": 6, "shard_checksum_by_rank": rows_a}]
+    for r in (a, b):
+        r.replicas.manager.shutdown(wait=False)
+
+
+def test_the_saver_saves_only_after_a_fingerprint_across_the_replicas_at_that_step(lighthouse, process_group):
+    """The fingerprint's interval never comes (1000); the step's saver saves after steps 3 and 6:
+    both replicas compare both checksums at 3 (equal: the saver saves), one bit of b's weights flips
+    after step 4, and at 6, before the saver writes the odd weights, both raise `ReplicaMismatchError`
+    and nothing is saved."""
+    cfg = load_config(None, ["failure.recovery=replica", "train.global_batch_size=4", "train.micro_batch_size=1"])
+    data = torch.randn(40, 3)
+    a = Replica(cfg, 0, data, save_at=(3, 6))
+    lighthouse()
+    b = Replica(cfg, 1, data, save_at=(3, 6))
+    assert train_together((a, b), until=4) == [None, None]
+    assert a.participants[-2:] == b.participants[-2:] == [2, 2]
+    for r in (a, b):
+        assert [s for s, _ in r.fingerprints] == [3]
+        assert len(r.fingerprints[0][1]) == 2 and r.fingerprints[0][1][0] == r.fingerprints[0][1][1]
+    assert sorted(a.saved + b.saved) == [3]  # one saver, after the check
+    assert not a.checks.fit_to_save(4) and not b.checks.fit_to_save(4)  # no fingerprint at step 4: no save
+    with torch.no_grad():
+        b.model.weight.view(torch.int32)[0, 0] ^= 1
+
+    raised = train_together((a, b), until=9)
+    assert all(isinstance(e, ReplicaMismatchError) and str(e).startswith("step 6: replica_mismatch") for e in raised)
+    assert [s for s, _ in a.fingerprints] == [s for s, _ in b.fingerprints] == [3, 6]
+    assert sorted(a.saved + b.saved) == [3]
     for r in (a, b):
         r.replicas.manager.shutdown(wait=False)
 
