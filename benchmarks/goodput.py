@@ -14,8 +14,7 @@ Each of `--rounds` rounds (3) runs, one after the other in one Ray session:
    `checkpoint.interval: auto`, `failure.mtbf_hours_per_gpu` set so the planned cluster MTBF is
    `--mtbf-s`, and validation every `--validation-interval` steps (default 0: off, as in the plain
    loop; validation is a badput bucket of its own, not a recovery cost, and under `replica` each
-   replica validates the whole set: with the demo's interval of 10 it cost `replica` 19 s of a
-   180 s round, more than its 7 s of recovery, and `restart` 10 s). `train.max_steps` covers the
+   replica validates the whole set, P times `restart`'s validation compute). `train.max_steps` covers the
    drawn gaps plus `--tail-s` (5 s) of training at the mode's median step time of the previous
    round (round 1: `--step-s`, 1.7 s, this machine's without validation; an estimate above the
    real step time ends round 1's runs before their last kill); if the run ends before a drawn kill, that
