@@ -119,6 +119,7 @@ class FailureSection:
     max_failures: int = 3  # worker-group restarts before the run fails (Ray FailureConfig)
     collective_timeout_s: int = 600  # process-group timeout: a stuck collective becomes an error
     mtbf_hours_per_gpu: float = 10000.0  # MTBF of one GPU (one worker on CPU), hours; for checkpoint.interval=auto
+    group_start_timeout_s: float = 60.0  # a group start waits this long for its resources, then fails (counted)
     hang_timeout_s: float = 0.0  # no step for this long: dump stacks, exit, restart; 0 = max(10 x median step, 300 s)
     recovery: str = "restart"  # restart: a failure restarts every rank / replica: the healthy replicas keep training
 

@@ -9,13 +9,14 @@ import re
 import ray
 from ray.exceptions import RayActorError
 from ray.train import ControllerError, WorkerGroupError
-from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
+from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError, WorkerGroupStartupTimeoutError
 from ray.train.v2._internal.execution.callback import ControllerCallback
 from ray.train.v2._internal.execution.controller.state import ErroredState, ReschedulingState, RestartingState
 from ray.train.v2.api.callback import UserCallback
 
+from raytrain_ft.launch.group_start import baseline_resources, short, start_timeout_s
 from raytrain_ft.launch.recorder_actor import RemoteRecorder
-from raytrain_ft.recovery import CONSEQUENCE, KILLED, cause_text
+from raytrain_ft.recovery import CONSEQUENCE, GROUP_START, KILLED, cause_text
 from raytrain_ft.run_folder import write_commit_ack
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,25 @@ def decided_failure(state) -> dict[int, Exception] | None:
     return None
 
 
+def start_timed_out(state) -> int | None:
+    """The number of workers of a group start that found no resources within Ray Train's wait
+    (`WorkerGroupStartupTimeoutError`) when the controller's new `state` retries it; else None."""
+    error = getattr(state, "training_failed_error", None)
+    failure = getattr(error, "controller_failure", None)
+    if isinstance(state, ReschedulingState) and isinstance(failure, WorkerGroupStartupTimeoutError):
+        return failure.num_workers
+    return None
+
+
+def start_timeout_cause(num_workers: int, free: dict[str, float]) -> str:
+    """The failure line of a start that got no resources: how many workers, the bound and its key, what
+    was free (`free`: the cluster's free resources)."""
+    return (
+        f"no resources for the worker group of {num_workers} workers within {start_timeout_s():g} s "
+        f"(failure.group_start_timeout_s); free in the cluster: {short(free)}"
+    )
+
+
 def lost_in_setup(state) -> RayActorError | None:
     """The dead worker actor's error when the controller's new `state` retries a group start that
     failed because a worker actor died during the setup (`WorkerGroupStartupFailedError` from a
@@ -144,23 +164,33 @@ class FailureRecorder(ControllerCallback):
             self.record(worker_exceptions, restarting=isinstance(current_state, RestartingState))
         elif (lost := lost_in_setup(current_state)) is not None:
             raise lost  # Ray Train: ControllerError(RayActorError), not retried: fit() raises it
+        elif (num_workers := start_timed_out(current_state)) is not None:
+            cause = start_timeout_cause(num_workers, baseline_resources())
+            log.warning("group start failed: %s", cause)
+            self._event({GROUP_START: cause}, {GROUP_START: str(current_state.training_failed_error)}, GROUP_START)
 
     def record(self, worker_exceptions: dict[int, Exception], restarting: bool = True) -> None:
         """The `failure` event of one worker-group failure (`worker_exceptions`: rank -> Ray's error;
         `restarting`: Ray Train goes on, else the run ends)."""
-        # Ray restarts the group only after this returns: one read, one tag write, one event file.
         causes = {str(rank): plain_cause(e) for rank, e in sorted(worker_exceptions.items())}
+        partial = restarting and 0 < len(worker_exceptions) < self.replicas
+        details = {str(rank): str(e) for rank, e in worker_exceptions.items()}  # Ray's full text
+        self._event(causes, details, replaced=sorted(worker_exceptions) if partial else None)
+
+    def _event(
+        self, causes: dict[str, str], details: dict[str, str], source: str = "", replaced: list[int] | None = None
+    ) -> None:
+        # Ray restarts the group only after this returns: one read, one tag write, one event file.
         try:
             recorder = RemoteRecorder(self.recorder_actor, wait=True, timeout_s=TRACKING_TIMEOUT_S)
             latest = recorder.latest_metrics()
             recorder.tags({"last_failure_cause": cause_text(causes)})
-            partial = restarting and 0 < len(worker_exceptions) < self.replicas
-            replaced = {"replaced": sorted(worker_exceptions)} if partial else {}
             recorder.event(
                 "failure",
-                **replaced,
+                **({"replaced": replaced} if replaced else {}),
+                **({"source": source} if source else {}),
                 causes=causes,
-                details={str(rank): str(e)[:20000] for rank, e in worker_exceptions.items()},  # Ray's full text
+                details={k: v[:20000] for k, v in details.items()},
                 last_step=int(latest.get("last_step", 0)),
                 step_time_s=latest.get("current_step_time_s", 0.0),
                 world_size=int(latest.get("world_size", 0)),

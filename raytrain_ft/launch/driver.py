@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -15,6 +16,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from raytrain_ft.config import Config, to_dict
 from raytrain_ft.errors import CheckpointError, UserError, find_user_error
 from raytrain_ft.launch.callbacks import CommitAcknowledger, FailureRecorder, describe, plain_cause
+from raytrain_ft.launch.group_start import START_TIMEOUT_ENV, StartCleaner, baseline_resources
 from raytrain_ft.launch.recorder_actor import RemoteRecorder, close, start_recorder_actor
 from raytrain_ft.launch.tracking_server import lasting_path, tracking_store
 from raytrain_ft.launch.worker import train_func
@@ -159,7 +161,9 @@ def run(cfg: Config) -> str:
         return _fit(cfg, uri)
 
 
-def _torch_trainer(cfg: Config, recorder_actor, run_id: str, run_root: str, max_failures: int) -> TorchTrainer:
+def _torch_trainer(
+    cfg: Config, recorder_actor, run_id: str, run_root: str, max_failures: int, baseline: dict[str, float]
+) -> TorchTrainer:
     lo, hi = cfg.worker_range
     replicas = hi if cfg.failure.recovery == "replica" else 0  # FailureRecorder: a partial failure is a replacement
     return TorchTrainer(
@@ -176,9 +180,15 @@ def _torch_trainer(cfg: Config, recorder_actor, run_id: str, run_root: str, max_
         run_config=RunConfig(
             name=cfg.run.name,
             storage_path=cfg.run.storage_path,
-            failure_config=FailureConfig(max_failures=max_failures),
+            # a start that found no resources within failure.group_start_timeout_s is a controller failure
+            # to Ray Train (unlimited by default): bounded by the same number of restarts
+            failure_config=FailureConfig(max_failures=max_failures, controller_failure_limit=max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
-            callbacks=[CommitAcknowledger(run_root), FailureRecorder(recorder_actor, replicas)],  # type: ignore[list-item]
+            callbacks=[
+                CommitAcknowledger(run_root),
+                FailureRecorder(recorder_actor, replicas),  # type: ignore[list-item]
+                StartCleaner(recorder_actor, baseline),  # type: ignore[list-item]
+            ],
         ),
     )
 
@@ -226,6 +236,8 @@ def _fit(cfg: Config, uri: str) -> str:
     recorder_actor = start_recorder_actor(uri, run_id)  # rank 0's MLflow client, across every restart
     recorder = MlflowRecorder(uri, run_id)  # the driver's own: the run's status, the failure line
     started = time.time()
+    baseline = baseline_resources()  # what every attempt must leave free (launch.group_start)
+    os.environ[START_TIMEOUT_ENV] = f"{cfg.failure.group_start_timeout_s:g}"  # Ray Train passes it to its controller
     main = threading.current_thread() is threading.main_thread()  # signal handlers live in the main thread
     sigterm = _OnSigterm()
     previous = signal.signal(signal.SIGTERM, sigterm) if main else None
@@ -233,7 +245,7 @@ def _fit(cfg: Config, uri: str) -> str:
         left = cfg.failure.max_failures
         while True:
             try:
-                _torch_trainer(cfg, recorder_actor, run_id, root, left).fit()
+                _torch_trainer(cfg, recorder_actor, run_id, root, left, baseline).fit()
                 break
             except Exception as e:
                 if sigterm.signalled or not failed_during_group_start(e) or find_user_error(e):
