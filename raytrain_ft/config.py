@@ -32,6 +32,9 @@ FAULT_KINDS = (
     "slow_save",
     "slow_restore",
     "hold_reduce",
+    "kill_in_setup",
+    "kill_at_launch",
+    "kill_at_first_step",
 )
 ALERT_POLICIES = ("warn", "restart")
 INTERVAL_MODES = ("fixed", "auto")
@@ -168,9 +171,9 @@ class ValidationSection:
 @dataclass
 class FaultSpec:
     kind: str = (
-        MISSING  # raise, kill, kill_during_save, nan, spike, bitflip, hang, slow, slow_save, slow_restore, hold_reduce
+        MISSING  # one of FAULT_KINDS (raise, kill, kill_during_save, ..., kill_in_setup, ...), see raytrain_ft.faults
     )
-    step: int = MISSING  # the (first) step at which the fault fires; once per run
+    step: int = MISSING  # the (first) step at which the fault fires; kill_in_setup/...: the start resuming from >= step
     rank: int = 0  # the rank that fails; -1 = every rank
     steps: int = 1  # spike / nan / slow / slow_save / slow_restore: for this many consecutive steps
     factor: float = 1000.0  # spike: the loss (and so the gradients) of the rank is multiplied by this
@@ -358,6 +361,7 @@ def _validate(cfg: Config) -> None:
         "guards.rank_check.interval_steps": cfg.guards.rank_check.interval_steps,
         "guards.fingerprint.interval_steps": cfg.guards.fingerprint.interval_steps,
         "guards.spike.max_consecutive_skips": cfg.guards.spike.max_consecutive_skips,
+        "failure.group_start_timeout_s": cfg.failure.group_start_timeout_s,
     }
     for key, value in positive.items():
         if value < 1:

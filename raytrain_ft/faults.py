@@ -12,9 +12,14 @@ item of each restore, with the checkpoint file open: what `lsof` or `/proc/<pid>
 restore is in progress, held long enough to be seen), `hold_reduce` (the rank holds `seconds` right
 before the step's gradient reduction, after writing its marker: under replica recovery its peers
 wait inside the gradient all-reduce meanwhile, so a test that kills the holding replica once the
-marker exists kills it while its peers are in the all-reduce). `nan`, `spike`, `slow`, `slow_save` and
-`slow_restore` last `steps` steps (`slow_restore`: restores of checkpoints of those steps); `rank: -1`
-means every rank (the rank is the worker's rank in the run: under replica recovery the replica's
+marker exists kills it while its peers are in the all-reduce). Three kinds kill the rank at a moment of a
+worker-group start instead of at a step: `kill_in_setup` (right after Ray Train set up the process group,
+before the start completes), `kill_at_launch` (once Ray launched the train function, before the start
+returns to the controller) and `kill_at_first_step` (before the first step of an attempt); each fires at
+the first start that resumes from step `step` or later, so several of them in a row are failures that
+cluster (the first two are fired on the controller by `raytrain_ft.launch.start_faults`). `nan`, `spike`,
+`slow`, `slow_save` and `slow_restore` last `steps` steps (`slow_restore`: restores of checkpoints of those
+steps); `rank: -1` means every rank (the rank is the worker's rank in the run: under replica recovery the replica's
 index, `Session.rank`). Each fault fires once per run: the firing rank writes
 `<run folder>/faults/<index>-<step>.fired` first, so a restarted attempt (or the steps re-run after a
 rollback) passes it; `slow`, `slow_save` and `slow_restore` are properties of the machine and fire on
@@ -50,6 +55,31 @@ from raytrain_ft.run_folder import fault_marker
 KILL_DURING_SAVE_DELAY_S = 3.0  # the kill comes 0.5 s after the save started: well inside the write
 
 
+START_KINDS = ("kill_in_setup", "kill_at_launch", "kill_at_first_step")
+
+
+def fired(run_root: str, index: int, step: int) -> bool:
+    """Whether fault `index` of the run in `run_root` fired at `step` (its marker exists)."""
+    fs, marker = fsspec.core.url_to_fs(fault_marker(run_root, index, step))
+    return fs.exists(marker)
+
+
+def mark(run_root: str, index: int, step: int) -> None:
+    """Write the marker of fault `index` at `step`: it fired (once per run)."""
+    with fsspec.open(fault_marker(run_root, index, step), "w", auto_mkdir=True) as f:
+        f.write(str(time.time()))
+
+
+def start_faults_due(
+    faults: list[tuple[int, FaultSpec]], kind: str, resumes_from: int, run_root: str
+) -> list[tuple[int, FaultSpec]]:
+    """The first `kind` fault (one of `START_KINDS`; `faults`: (index, spec) in list order) due at a group
+    start that resumes from step `resumes_from`: its `step` <= `resumes_from` and not fired yet; [] when
+    none. One per start: the next start fires the next."""
+    due = [(i, f) for i, f in faults if f.kind == kind and f.step <= resumes_from and not fired(run_root, i, f.step)]
+    return due[:1]
+
+
 class InjectedFault(RuntimeError):
     """The exception a `raise` fault throws."""
 
@@ -67,7 +97,7 @@ class FaultInjector(StepHook):
         param: Callable[[], torch.Tensor],
     ):
         self.faults, self.rank, self.settle, self.param = list(enumerate(faults)), rank, settle, param
-        self.run_root = run_root
+        self.run_root, self.first_step = run_root, True
 
     def _pending(self, step: int, kinds: tuple[str, ...]) -> list[tuple[int, FaultSpec]]:
         return [
@@ -82,23 +112,25 @@ class FaultInjector(StepHook):
         return f.rank in (-1, self.rank)
 
     def _fired(self, index: int, step: int) -> bool:
-        fs, marker = fsspec.core.url_to_fs(fault_marker(self.run_root, index, step))
-        return fs.exists(marker)
+        return fired(self.run_root, index, step)
 
     def _mark(self, index: int, step: int) -> None:
-        with fsspec.open(fault_marker(self.run_root, index, step), "w", auto_mkdir=True) as f:
-            f.write(str(time.time()))
+        mark(self.run_root, index, step)
 
     def before_step(self, step: int) -> None:
-        """Fire `raise` / `kill` faults due at `step` (called on every rank)."""
+        """Fire `raise` / `kill` faults due at `step`, and `kill_at_first_step` faults due at this attempt's
+        first step (`step`: the attempt resumed from `step - 1`) (called on every rank)."""
         due = self._pending(step, ("raise", "kill"))
+        if self.first_step:
+            due += start_faults_due(self.faults, "kill_at_first_step", step - 1, self.run_root)
+            self.first_step = False
         if not due:
             return
         self.settle()  # also a barrier: every rank has checked the markers before any is written
         for i, f in due:
             if self._mine(f):
-                self._mark(i, step)
-                if f.kind == "kill":
+                self._mark(i, f.step if f.kind in START_KINDS else step)
+                if f.kind != "raise":
                     os.kill(os.getpid(), signal.SIGKILL)
                 raise InjectedFault(f"injected fault at step {step} on rank {self.rank}")
 

@@ -18,6 +18,7 @@ from raytrain_ft.errors import CheckpointError, UserError, find_user_error
 from raytrain_ft.launch.callbacks import CommitAcknowledger, FailureRecorder, describe, plain_cause
 from raytrain_ft.launch.group_start import START_TIMEOUT_ENV, StartCleaner, baseline_resources
 from raytrain_ft.launch.recorder_actor import RemoteRecorder, close, start_recorder_actor
+from raytrain_ft.launch.start_faults import StartFaultConfig, StartFaults
 from raytrain_ft.launch.tracking_server import lasting_path, tracking_store
 from raytrain_ft.launch.worker import train_func
 from raytrain_ft.preflight import newest_checkpoint, problems
@@ -176,7 +177,7 @@ def _torch_trainer(
             resources_per_worker={"CPU": cfg.scaling.cpus_per_worker, **({"GPU": 1} if cfg.scaling.use_gpu else {})},
             elastic_resize_monitor_interval_s=cfg.scaling.resize_check_interval_s,
         ),
-        torch_config=torch_config(cfg),
+        torch_config=torch_config(cfg, run_root),
         run_config=RunConfig(
             name=cfg.run.name,
             storage_path=cfg.run.storage_path,
@@ -188,20 +189,24 @@ def _torch_trainer(
                 CommitAcknowledger(run_root),
                 FailureRecorder(recorder_actor, replicas),  # type: ignore[list-item]
                 StartCleaner(recorder_actor, baseline),  # type: ignore[list-item]
+                *([StartFaults(cfg.faults, run_root)] if any(f.kind == "kill_at_launch" for f in cfg.faults) else []),
             ],
         ),
     )
 
 
-def torch_config(cfg: Config) -> TorchConfig:
+def torch_config(cfg: Config, run_root: str) -> TorchConfig:
     """Ray Train's torch backend: one process group of every worker, or under `failure.recovery:
     replica` one per replica group (one worker each) and a torchft lighthouse (`raytrain_ft.replicas`),
-    which marks a replacement replica (`launch.replica_backend`)."""
+    which marks a replacement replica (`launch.replica_backend`). With `kill_in_setup` faults (restart
+    mode) the backend fires them (`launch.start_faults`) for the run in `run_root`."""
     backend, timeout_s = "nccl" if cfg.scaling.use_gpu else "gloo", cfg.failure.collective_timeout_s
     if cfg.failure.recovery == "replica":
         from raytrain_ft.launch.replica_backend import ReplicaConfig
 
         return ReplicaConfig(lighthouse_kwargs=LIGHTHOUSE, backend=backend, timeout_s=timeout_s)
+    if any(f.kind == "kill_in_setup" for f in cfg.faults):
+        return StartFaultConfig(backend=backend, timeout_s=timeout_s, faults=cfg.faults, run_root=run_root)
     return TorchConfig(backend=backend, timeout_s=timeout_s)
 
 

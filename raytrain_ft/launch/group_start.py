@@ -15,8 +15,9 @@ unlimited by default).
 `StartCleaner` closes that gap with Ray's public calls (`ray.kill`, `ray.util.remove_placement_group`,
 `ray.util.placement_group_table`, `ray.available_resources`): it remembers what each start created
 before the setup runs (`before_init_train_context`, the one hook that runs before it whatever the
-callbacks' order), forgets it once the start completed (`after_worker_group_training_start`: from then
-on the controller holds the group and shuts it down itself), and removes a start that did not complete
+callbacks' order), forgets it once the start completed (the controller's move to `RunningState`, after
+`WorkerGroup.create` returned and every start callback ran: from then on the controller holds the group
+and shuts it down itself), and removes a start that did not complete
 before the next start (`on_controller_start_worker_group`: Ray's own retry) and when the controller
 ends (`before_controller_shutdown`: the driver's resume, `driver.failed_during_group_start`). Removing
 a placement group kills the actors placed in it; the synchronization actor holds no resources and
@@ -24,9 +25,11 @@ ends with the controller.
 
 At every start it then records a `group_start` event: the cluster's free resources, the job's baseline
 (free when the driver started, `baseline_resources`), this run's placement groups still alive and
-what it removed. Resources released by Ray come back in the cluster's view within about a second; a
-start waits for them at most `RELEASE_WAIT_S` (then records what it saw and goes on: the placement
-group's wait, `failure.group_start_timeout_s`, bounds the rest).
+what it removed. Resources a removed group held come back in the cluster's view with a delay (the
+raylet first stops the actors placed there: about a second, tens of seconds on a loaded machine); a
+start that needs them waits until the cluster's free resources cover the group (or are back to the
+baseline), at most `RELEASE_WAIT_S`; then it logs one line (what it needs, what is free) and goes on:
+the placement group's wait, `failure.group_start_timeout_s`, bounds the rest.
 """
 
 from __future__ import annotations
@@ -38,13 +41,14 @@ from dataclasses import dataclass, field
 
 import ray
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+from ray.train.v2._internal.execution.controller.state import RunningState
 from ray.util.placement_group import PlacementGroup, get_current_placement_group, remove_placement_group
 
 from raytrain_ft.launch.recorder_actor import RemoteRecorder
 
 log = logging.getLogger(__name__)
 
-RELEASE_WAIT_S = 5.0  # a start waits at most this long for released resources to show as free
+RELEASE_WAIT_S = 30.0  # a start waits at most this long for released resources to show as free
 START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # Ray Train's placement-group wait per start
 
 
@@ -93,17 +97,22 @@ class StartCleaner(ControllerCallback, WorkerGroupCallback):
             self.starting.placement_group = ray.get(workers[0].execute_async(_placement_group_id))
         return {}
 
-    def after_worker_group_training_start(self, worker_group) -> None:
-        self.starting = None  # the controller holds the group now
+    def after_controller_state_update(self, previous_state, current_state) -> None:
+        if isinstance(current_state, RunningState):  # WorkerGroup.create returned: the controller holds it
+            self.starting = None
 
     def on_controller_start_worker_group(self, *, scaling_config, num_workers: int):
         removed = self.remove_leftovers()
-        free = self.wait_for_release()
+        per_worker = scaling_config.resources_per_worker or {}
+        needs = {k: v * num_workers for k, v in per_worker.items() if k in ("CPU", "GPU")}
+        free = self.wait_for_release(needs)
         alive = [pg for pg, info in ray.util.placement_group_table().items() if info["state"] != "REMOVED"]
-        if any(free.get(k, 0.0) < v - 1e-6 for k, v in short(self.baseline).items()):
+        if not covers(free, needs):
             log.warning(
-                "group start: the cluster has %s free, %s when the job started (another job, or a group "
-                "being released); the placement group waits at most %s s",
+                "group start: %d workers need %s, the cluster has %s free (%s when the job started); "
+                "the placement group waits at most %g s (failure.group_start_timeout_s)",
+                num_workers,
+                needs,
                 short(free),
                 short(self.baseline),
                 start_timeout_s(),
@@ -112,6 +121,7 @@ class StartCleaner(ControllerCallback, WorkerGroupCallback):
             RemoteRecorder(self.recorder_actor).event(
                 "group_start",
                 num_workers=num_workers,
+                needs=needs,
                 free=short(free),
                 baseline=short(self.baseline),
                 placement_groups=alive,
@@ -145,15 +155,20 @@ class StartCleaner(ControllerCallback, WorkerGroupCallback):
             return [leftovers.placement_group]
         return []
 
-    def wait_for_release(self) -> dict[str, float]:
-        """The cluster's free resources once they are back to the baseline, or after `RELEASE_WAIT_S`."""
+    def wait_for_release(self, needs: dict[str, float]) -> dict[str, float]:
+        """The cluster's free resources once they cover `needs` (or are back to the baseline), or after
+        `RELEASE_WAIT_S` if they do not: resources a removed group held show as free with a delay."""
         deadline = time.monotonic() + RELEASE_WAIT_S
         while True:
             free = baseline_resources()
-            back = all(free.get(k, 0.0) >= v - 1e-6 for k, v in short(self.baseline).items())
-            if back or time.monotonic() > deadline:
+            if covers(free, needs) or covers(free, short(self.baseline)) or time.monotonic() > deadline:
                 return free
             time.sleep(0.05)
+
+
+def covers(free: dict[str, float], needs: dict[str, float]) -> bool:
+    """Whether `free` holds at least `needs` of every resource."""
+    return all(free.get(k, 0.0) >= v - 1e-6 for k, v in needs.items())
 
 
 def start_timeout_s() -> float:

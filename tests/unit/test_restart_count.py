@@ -15,7 +15,8 @@ from ray.train.v2._internal.execution.controller.state import (
     ShuttingDownState,
 )
 
-from raytrain_ft.launch.callbacks import decided_failure, lost_in_setup
+from raytrain_ft.launch.callbacks import decided_failure, lost_in_setup, start_timed_out, start_timeout_cause
+from raytrain_ft.launch.group_start import START_TIMEOUT_ENV
 from raytrain_ft.launch.driver import failed_during_group_start
 from raytrain_ft.recovery import CONSEQUENCE, GROUP_START, KILLED, failures, recovery_rows, totals
 
@@ -86,3 +87,14 @@ def test_a_worker_lost_during_the_group_setup_goes_to_the_driver_and_a_start_tim
     assert lost_in_setup(ReschedulingState(ControllerError(WorkerGroupStartupTimeoutError(2)))) is None
     assert lost_in_setup(ReschedulingState(start_failed_by(ValueError("not an actor death")))) is None
     assert lost_in_setup(RestartingState(start_failed_by(died))) is None
+
+
+def test_a_start_timeout_is_a_failure_with_its_bound_and_what_was_free(monkeypatch):
+    monkeypatch.setenv(START_TIMEOUT_ENV, "30")
+    assert start_timed_out(ReschedulingState(ControllerError(WorkerGroupStartupTimeoutError(2)))) == 2
+    assert start_timed_out(ReschedulingState(start_failed_by(ActorDiedError()))) is None
+    assert start_timed_out(RestartingState(ControllerError(WorkerGroupStartupTimeoutError(2)))) is None
+    assert start_timeout_cause(2, {"CPU": 0.5, "memory": 1e9}) == (
+        "no resources for the worker group of 2 workers within 30 s (failure.group_start_timeout_s); "
+        "free in the cluster: {'CPU': 0.5}"
+    )

@@ -1,0 +1,132 @@
+"""Failures that cluster around worker-group starts, and restart mode's kill -> first step against a
+plain Ray Train restart, side by side in one Ray session (3 logical CPUs).
+
+1. Clustered (`configs/tiny.yaml`, 2 workers at exact fit: each takes half of the cluster's CPUs, so a
+   placement group left behind by a start would leave the next start nothing): rank 1 killed at
+   step 7, then three failures in a row at the starts that follow, each at another moment
+   (`kill_in_setup`, `kill_at_launch`, `kill_at_first_step`, `raytrain_ft.faults`). Measured: seconds
+   from the third clustered failure (the `kill_at_first_step` fault's marker, written just before the
+   SIGKILL) to the next trained step (the first `train/loss` value logged after it: the step's commit
+   to MLflow), and the same from each earlier failure, plus whether every group start found the
+   job's free resources (`group_start` events).
+2. Kill -> first step: `--kills` (2) SIGKILLs at seeded random moments in a raytrain-ft `restart` run
+   and in a plain Ray Train restart, with goodput.py's own runs (`goodput.raytrain_ft`,
+   `goodput.plain`: the demo config's `small` model, 2 CPU workers at 0.5 CPU), one after the other:
+   the median of kill -> first resumed step of each, and the ratio (target <= 1.2).
+
+About 8 minutes on the 2-core reference machine when it is otherwise idle. Prints JSON and writes
+benchmarks/results/clustered_failures.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import random
+import time
+
+import ray
+from goodput import DATA, phase, plain, raytrain_ft, scaled_gaps
+from mlflow.tracking import MlflowClient
+
+from raytrain_ft.config import load_config
+from raytrain_ft.data.manifest import load_manifest
+from raytrain_ft.data.prepare import PrepareSettings, prepare
+from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV, run
+from raytrain_ft.tracking import MlflowRecorder
+from report import default_out, report, scratch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STDLIB_JSON = os.path.join(os.path.dirname(os.__file__), "json", "*.py")
+CLUSTERED = (
+    "faults=[{kind: kill, step: 7, rank: 1}, {kind: kill_in_setup, step: 5, rank: 1},"
+    " {kind: kill_at_launch, step: 5, rank: 0}, {kind: kill_at_first_step, step: 5, rank: 1}]"
+)
+
+
+def clustered(root: str) -> dict:
+    data = os.path.join(root, "data")
+    prepare(
+        STDLIB_JSON,
+        data,
+        PrepareSettings(
+            seq_len=32, vocab_size=512, rows_per_row_group=2, validation_fraction=0.0, validation_min_docs=0
+        ),
+    )
+    cpus = ray.available_resources()["CPU"]
+    cfg = load_config(
+        os.path.join(REPO, "configs", "tiny.yaml"),
+        [
+            f"data.path={data}",
+            f"run.storage_path={root}/runs",
+            f"tracking.uri=sqlite:///{root}/mlflow.db",
+            "train.max_steps=30",
+            "failure.max_failures=4",
+            f"scaling.cpus_per_worker={cpus / 2}",
+            CLUSTERED,
+        ],
+    )
+    started = time.time()
+    run_id = run(cfg)
+    wall_s = time.time() - started
+    markers = {}
+    for path in glob.glob(os.path.join(root, "runs", cfg.run.name, "faults", "*.fired")):
+        with open(path) as f:
+            markers[int(os.path.basename(path).split("-")[0])] = float(f.read())
+    steps = sorted(m.timestamp / 1000 for m in MlflowClient(cfg.tracking.uri).get_metric_history(run_id, "train/loss"))
+
+    def to_next_step(t: float) -> float:
+        return next(s for s in steps if s > t) - t
+
+    starts = [e for e in MlflowRecorder(cfg.tracking.uri, run_id).events() if e["kind"] == "group_start"]
+    return {
+        "wall_s": wall_s,
+        "failure_to_next_step_s": {name: to_next_step(markers[i]) for i, name in enumerate(("kill_at_step_7", *NAMES))},
+        "group_starts": len(starts),
+        "every_start_found_the_baseline": all(s["free"] == s["baseline"] and not s["placement_groups"] for s in starts),
+    }
+
+
+NAMES = ("kill_in_setup", "kill_at_launch", "kill_at_first_step")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kills", type=int, default=2, help="SIGKILLs in the restart run and in the plain run")
+    p.add_argument("--mtbf-s", type=float, default=20.0, help="mean seconds of training between kills")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=default_out("clustered_failures"))
+    args = p.parse_args()
+    started = time.time()
+    if not os.path.exists(os.path.join(DATA, "manifest.json")):
+        prepare(None, DATA, PrepareSettings(seq_len=256, vocab_size=8192))
+    m = load_manifest(DATA)
+    rng = random.Random(args.seed)
+    os.environ.update(RAY_NODE_ENV)
+    ray.init(
+        address="local", num_cpus=3, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV}
+    )
+    result: dict = {"clustered": clustered(scratch("clustered-"))}
+    gaps = scaled_gaps(rng, args.kills, args.mtbf_s)
+    ranks = [rng.randrange(2) for _ in gaps]
+    restart = raytrain_ft(scratch("clustered-restart-"), "restart", gaps, ranks, args.mtbf_s, 1.7, 5.0, 0)
+    plain_run = plain(scratch("clustered-plain-"), m.vocab_size, m.seq_len, args.kills, rng)
+    ray.shutdown()
+    ours, theirs = phase(restart["recoveries"], "first_step_done"), phase(plain_run["recoveries"], "first_step_done")
+    ratio = ours["median"] / theirs["median"] if ours["n"] and theirs["n"] else None
+    result.update(
+        {
+            "scale": {"kills": args.kills, "mtbf_s": args.mtbf_s, "seed": args.seed},
+            "kill_to_first_step_s": {"restart": ours, "plain_ray_train": theirs},
+            "restart_over_plain": ratio,
+            "targets_met": {"restart_over_plain <= 1.2": ratio is not None and ratio <= 1.2},
+            "load_average_1min": os.getloadavg()[0],
+            "elapsed_s": time.time() - started,
+        }
+    )
+    report(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
