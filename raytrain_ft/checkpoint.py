@@ -29,6 +29,8 @@ import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from datetime import timedelta
 from typing import TYPE_CHECKING, cast
 
 import fsspec
@@ -47,6 +49,7 @@ from raytrain_ft.integrity import ChecksummedReader, ChecksummedWriter, Complete
 from raytrain_ft.run_folder import complete_steps, list_step_dirs, step_of, step_path
 from raytrain_ft.session import Session
 from raytrain_ft.train_state import KEY_META, KEY_MODEL, RunMeta, TrainState, missing_components
+from raytrain_ft.waits import WaitTimeoutError
 
 if TYPE_CHECKING:
     from raytrain_ft.recorder import Recorder
@@ -148,12 +151,15 @@ class Checkpointer:
     Args:
         root: the run's folder (local path or fsspec URL); checkpoints go to `root/step-N`.
         commit: called on every rank with (step, path) once the checkpoint is complete.
+        timeout_s: the timeout of its two gloo groups' collectives (`failure.collective_timeout_s`;
+            without it torch gives a new group 30 minutes, whatever the default group's timeout).
     """
 
-    def __init__(self, root: str, commit: Callable[[int, str], None]):
-        self.root, self.commit = root, commit
-        self.save_group = dist.new_group(backend="gloo")
-        self.control_group = dist.new_group(backend="gloo")
+    def __init__(self, root: str, commit: Callable[[int, str], None], timeout_s: float = 600.0):
+        self.root, self.commit, self.timeout_s = root, commit, timeout_s
+        timeout = timedelta(seconds=timeout_s)
+        self.save_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.control_group = dist.new_group(backend="gloo", timeout=timeout)
         self.pending: tuple[int, str, Future] | None = None  # (step, path, upload future)
         self.staging: Future | None = None  # future of the snapshot copy still in progress
         self.stall_s = 0.0  # seconds training was blocked in save() / wait_staged(), since start
@@ -211,7 +217,10 @@ class Checkpointer:
         """Wait for the snapshot copy, if one is in progress; True if there was one."""
         if self.staging is None:
             return False
-        self.staging.result()
+        try:
+            self.staging.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise WaitTimeoutError(self._late("snapshot copy", self.pending[0] if self.pending else 0)) from None
         self.staging = None
         return True
 
@@ -249,15 +258,24 @@ class Checkpointer:
 
         Raises:
             StorageFullError: the write ran out of space (ENOSPC on any rank: DCP raises it on every rank).
+            WaitTimeoutError: the write did not finish within `timeout_s` (a counted failure: Ray restarts).
             CheckpointException: DCP's own error (a `BaseException`) for any other failed write, as it is.
         """
         try:
-            upload.result()
+            upload.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise WaitTimeoutError(self._late("write", step)) from None
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             if _out_of_space(e):
                 needed, free = _newest_size(self.root), _free_bytes(self.root)
                 raise StorageFullError(space_message(self.root, step, needed, free)) from None
             raise
+
+    def _late(self, stage: str, step: int) -> str:
+        return (
+            f"rank {dist.get_rank()}: checkpoint step-{step}'s {stage} did not finish within {self.timeout_s:g} s "
+            "(failure.collective_timeout_s); the storage is stalled or too slow for the bound"
+        )
 
     def _commit(self) -> int:
         assert self.pending is not None

@@ -304,7 +304,9 @@ def _extend(args: argparse.Namespace) -> int:
     run = _find_run(client, args.run)
     run_root = os.path.join(run.data.params["run.storage_path"], run.data.params["run.name"])
     try:
-        record = extend(run_root, args.max_steps, MlflowRecorder(client.tracking_uri, run.info.run_id))
+        recorder = MlflowRecorder(client.tracking_uri, run.info.run_id)
+        record = extend(run_root, args.max_steps, recorder)
+        recorder.drain()  # writes are sent in the background: before this process exits
     except UserError as e:
         raise ValueError(str(e)) from None
     print(

@@ -128,6 +128,16 @@ class FailureSection:
 
 
 @dataclass
+class WaitsSection:
+    """Bounds of the waits no other key bounds (docs/fault-tolerance.md#every-wait-is-bounded lists every wait)."""
+
+    commit_timeout_s: float = 60.0  # wait for Ray Train to register a commit; then the attempt fails (a restart)
+    data_timeout_s: float = 120.0  # wait for one step's batch from the data pipeline; then the attempt fails
+    quorum_timeout_s: float = 60.0  # replica: torchft quorum, its all-reduces, commit and heal; then the replica fails
+    tracking_timeout_s: float = 30.0  # one MLflow request (the store unreachable: records are held and sent later)
+
+
+@dataclass
 class TrackingSection:
     uri: str = ""  # MLflow tracking URI; "" = $MLFLOW_TRACKING_URI, else sqlite:///$HOME/raytrain-ft/mlflow.db
     experiment: str = "raytrain-ft"  # MLflow experiment name
@@ -192,6 +202,7 @@ class Config:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     failure: FailureSection = field(default_factory=FailureSection)
+    waits: WaitsSection = field(default_factory=WaitsSection)
     tracking: TrackingSection = field(default_factory=TrackingSection)
     guards: GuardsSection = field(default_factory=GuardsSection)
     validation: ValidationSection = field(default_factory=ValidationSection)
@@ -351,6 +362,9 @@ def _validate(cfg: Config) -> None:
     _validate_schedule(cfg.train)
     if not cfg.failure.mtbf_hours_per_gpu > 0:
         raise ConfigError(f"config key 'failure.mtbf_hours_per_gpu' must be > 0, got {cfg.failure.mtbf_hours_per_gpu}")
+    for key, value in dataclasses.asdict(cfg.waits).items():
+        if not value > 0:
+            raise ConfigError(f"config key 'waits.{key}' must be > 0 (seconds), got {value}")
     positive = {
         "train.max_steps": cfg.train.max_steps,
         "train.global_batch_size": cfg.train.global_batch_size,

@@ -17,18 +17,27 @@ from raytrain_ft.data.order import EpochOrder
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.recovery import RunHistory
 from raytrain_ft.run_folder import read_latest, write_latest
-from raytrain_ft.tracking import MlflowRecorder
+from raytrain_ft.tracking import MlflowRecorder, bound_requests
 
 
 class LocalSession:
     replacement = False  # no replica recovery without Ray
 
-    def __init__(self, run_root: str, data_path: str, seed: int, tracking_uri: str, mlflow_run_id: str):
+    def __init__(
+        self,
+        run_root: str,
+        data_path: str,
+        seed: int,
+        tracking_uri: str,
+        mlflow_run_id: str,
+        tracking_timeout_s: float = 30.0,
+    ):
         self.run_root, self.data_path, self.seed = run_root.rstrip("/"), data_path, seed
         self.tracking_uri, self.mlflow_run_id = tracking_uri, mlflow_run_id
         self.manifest = load_manifest(data_path)
         # one recorder for the whole run (no restarts here); it keeps the history it loads now
-        self.run_recorder = MlflowRecorder(tracking_uri, mlflow_run_id)
+        bound_requests(tracking_timeout_s)  # `waits.tracking_timeout_s`: the recorder's outbox retries
+        self.run_recorder = MlflowRecorder(tracking_uri, mlflow_run_id, timeout_s=tracking_timeout_s)
         self.run_recorder.history = self.run_recorder.load_history()
 
     @property

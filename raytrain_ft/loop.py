@@ -80,6 +80,7 @@ from raytrain_ft.train_state import (
     seed_rngs,
 )
 from raytrain_ft.validation import Validation
+from raytrain_ft.waits import bounded
 from raytrain_ft.watchdog import StepWatchdog
 
 log = logging.getLogger(__name__)
@@ -131,9 +132,9 @@ class Batches:
     checkpoint, a rollback, a heal), or a step did not commit (`Replicas.commit`: the same passes
     are returned again)."""
 
-    def __init__(self, session: Session, steps_per_epoch: int, position: DataPosition, share: Share):
-        self.session, self.steps_per_epoch = session, steps_per_epoch
-        self.stream = started(step_batches(session, position, share.plan, share.rank, steps_per_epoch))
+    def __init__(self, session: Session, steps_per_epoch: int, position: DataPosition, share: Share, timeout_s: float):
+        self.session, self.steps_per_epoch, self.timeout_s = session, steps_per_epoch, timeout_s
+        self.stream = started(self._read(position, share))
         self.next_key: tuple = (position.epoch, position.consumed, share)
         self.last_key: tuple | None = None
         self.last: list = []
@@ -144,12 +145,18 @@ class Batches:
         if key == self.last_key:
             return self.last
         if key != self.next_key:
-            self.stream = step_batches(self.session, position, share.plan, share.rank, self.steps_per_epoch)
+            self.stream = self._read(position, share)
         self.last, self.last_key = next(self.stream), key
         after = DataPosition(position.epoch, position.consumed)
         after.advance(share.plan.global_batch_size, self.steps_per_epoch)
         self.next_key = (after.epoch, after.consumed, share)
         return self.last
+
+    def _read(self, position: DataPosition, share: Share) -> Iterator[list]:
+        """The steps from `position`, each within `waits.data_timeout_s` (`waits.bounded`)."""
+        what = f"rank {self.session.rank}: the data pipeline (epoch {position.epoch}, from sample {position.consumed})"
+        steps = step_batches(self.session, position, share.plan, share.rank, self.steps_per_epoch)
+        return bounded(steps, self.timeout_s, what)
 
 
 def forward_backward(par: Parallel, plan: BatchPlan, passes: list[dict], loss_factor: float, device) -> float:
@@ -222,7 +229,7 @@ class Trainer:
         latest, batches_from = session.latest_checkpoint(), DataPosition()
         peek(latest, {KEY_DATA: Pickled(batches_from)})  # read alone from the checkpoint: the data starts now
         share = first_share(cfg, self.plan, self.rank, session.rank)
-        self.batches = Batches(session, self.steps_per_epoch, batches_from, share)
+        self.batches = Batches(session, self.steps_per_epoch, batches_from, share, cfg.waits.data_timeout_s)
 
         shape = self.manifest.vocab_size, self.manifest.seq_len
         self.par, self.optimizer = build(cfg, *shape, self.device, resuming=latest is not None)
@@ -246,7 +253,7 @@ class Trainer:
         if self.rank == 0:
             self.state.add(KEY_GOODPUT, Pickled(self.ledger))
 
-        self.checkpointer = Checkpointer(session.run_root, self._commit)
+        self.checkpointer = Checkpointer(session.run_root, self._commit, cfg.failure.collective_timeout_s)
         self.group = self.checkpointer.control_group  # CPU gloo group for guard collectives
         self.checks = RankChecks(cfg.guards, self.par, lambda: self.members, self.step_recorder, self.settle)
         self.validation = Validation(

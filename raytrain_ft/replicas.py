@@ -90,6 +90,7 @@ from raytrain_ft.parallel import Parallel
 from raytrain_ft.recorder import Recorder
 from raytrain_ft.run_folder import replica_final_file
 from raytrain_ft.train_state import KEY_GUARDS, KEY_META, KEY_MODEL, KEY_OPTIM, TrainState
+from raytrain_ft.waits import LIGHTHOUSE_JOIN_S
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +103,7 @@ REPLACEMENT_ENV = "RAYTRAIN_FT_REPLACEMENT"
 # The heartbeat timeout is what the survivors wait after a kill before they train on without the dead
 # replica: at 5 s a replacement Ray Train started from an idle worker process had joined by then
 # (a test run where the survivor never trained alone); 2 s is well under a replacement's start.
-LIGHTHOUSE = {"min_replicas": 1, "join_timeout_ms": 10_000, "heartbeat_timeout_ms": 2_000}
-TIMEOUT_S = 60  # Manager collectives, commit and heal transfers
+LIGHTHOUSE = {"min_replicas": 1, "join_timeout_ms": int(LIGHTHOUSE_JOIN_S * 1000), "heartbeat_timeout_ms": 2_000}
 
 
 @dataclass(frozen=True)
@@ -219,7 +219,7 @@ class Replicas:
         self.lost = False  # this replica's last step did not commit
         self.recovering_s = 0.0
         self.healed = {k: c for k, c in state.components.items() if k not in NOT_HEALED} | heal_only
-        timeout = timedelta(seconds=TIMEOUT_S)
+        timeout = timedelta(seconds=cfg.waits.quorum_timeout_s)  # collectives, quorum, commit, heal transfers
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout),
             load_state_dict=None,

@@ -20,8 +20,9 @@ shows one section per prefix before the `/`, sorted by name, above the section o
 metrics; `train` sorts before `train_discarded` and `train_live`, so the kept timeline is the first
 section (checked in a real browser: `scripts/check_mlflow_ui.py`).
 
-All logging happens on one background thread in batches (`MAX_BATCH` values per request), so a
-slow tracking server never blocks a training step; `drain` waits for it.
+All logging goes through the recorder's `tracking.Outbox` (one background thread, in order, held
+while the store is unreachable, `MAX_BATCH` values per request), so a slow or absent tracking
+server never blocks a training step.
 
 A restart that falls back from a corrupt checkpoint to an older one re-runs steps that are already
 on the kept timeline. Training is deterministic in (seed, step), so the re-run values equal the kept
@@ -31,29 +32,26 @@ those steps are not discarded (the run's final weights were trained on them).
 
 from __future__ import annotations
 
-import logging
-import queue
-import threading
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
+if TYPE_CHECKING:
+    from raytrain_ft.tracking import Outbox
+
 KEPT, LIVE, DISCARDED = "train/", "train_live/", "train_discarded/"
 MAX_BATCH = 1000  # MLflow's limit on metrics per log_batch request
-log = logging.getLogger(__name__)
 
 
 class StepTimeline:
     """Rank 0's per-step metrics (see the module docstring). Not thread-safe: call from the loop."""
 
-    def __init__(self, client: MlflowClient, run_id: str):
-        self.client, self.run_id = client, run_id
+    def __init__(self, client: MlflowClient, run_id: str, outbox: Outbox):
+        self.client, self.run_id, self.outbox = client, run_id, outbox
         self.pending: list[tuple[int, int, dict[str, float]]] = []  # (step, time ms, values), not published
         self.covered = 0  # the newest committed step (registration maybe not confirmed yet)
         self.kept_before: dict[str, set[int]] = {}  # steps each key had on the kept timeline at this attempt's start
-        self._queue: queue.Queue[list[Metric] | Callable[[], None]] = queue.Queue()
-        self._thread: threading.Thread | None = None
 
     def record(self, step: int, values: dict[str, float], current: dict[str, float], at: float) -> None:
         """One step's metrics (`train_live/` now, the kept timeline `train/` later), computed at unix time `at`
@@ -70,9 +68,8 @@ class StepTimeline:
         self._publish(previous)
 
     def registered(self) -> None:
-        """The runtime confirmed every commit: publish every committed step and wait until sent."""
+        """The runtime confirmed every commit: publish every committed step."""
         self._publish(self.covered)
-        self.drain()
 
     def discard_after(self, step: int) -> None:
         """A rollback to the checkpoint at `step`: the later recorded steps go to `train_discarded/`."""
@@ -87,8 +84,7 @@ class StepTimeline:
         if len(attempt_starts) < 2:
             return
         since, until = int(attempt_starts[-2] * 1000), int(attempt_starts[-1] * 1000)
-        self._queue.put(lambda: self._recover(resumed_from, since, until))
-        self._start()
+        self.outbox.put(lambda: self._recover(resumed_from, since, until))
 
     def _recover(self, resumed_from: int, since: int, until: int) -> None:
         live_keys = [k for k in self.client.get_run(self.run_id).data.metrics if k.startswith(LIVE)]
@@ -105,12 +101,7 @@ class StepTimeline:
                 elif m.step not in kept:
                     newest[m.step] = Metric(key, m.value, m.timestamp, m.step)
             batch += newest.values()
-        self._log(batch)
-
-    def drain(self) -> None:
-        """Block until everything handed over so far has been logged (or failed with a warning)."""
-        if self._thread is not None:
-            self._queue.join()
+        self._send(batch)
 
     def _publish(self, upto: int) -> None:
         ready = [p for p in self.pending if p[0] <= upto]
@@ -118,41 +109,13 @@ class StepTimeline:
         self._send([Metric(KEPT + k, float(v), ts, s) for s, ts, vals in ready for k, v in vals.items()])
 
     def _send(self, batch: list[Metric]) -> None:
-        if batch:
-            self._queue.put(batch)
-            self._start()
-
-    def _start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="mlflow-steps", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            items = [self._queue.get()]
-            while not self._queue.empty():  # a slow server: everything queued meanwhile in one go
-                items.append(self._queue.get())
-            batch: list[Metric] = []
-            for item in items:
-                if callable(item):
-                    self._log(batch)
-                    batch = []
-                    self._call(item)
-                else:
-                    batch += [m for m in item if m.step not in self.kept_before.get(m.key, ())]
-            self._log(batch)
-            for _ in items:
-                self._queue.task_done()
-
-    def _call(self, fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except Exception as e:  # tracking is not worth a failed training run
-            log.warning("could not sort the previous attempt's metrics: %s", e)
-
-    def _log(self, batch: list[Metric]) -> None:
+        """Queue `batch` in requests of `MAX_BATCH` values, each retried whole by the outbox; steps
+        already on the kept timeline (known once `_recover` ran) are left out when it is sent."""
         for i in range(0, len(batch), MAX_BATCH):
-            try:
-                self.client.log_batch(self.run_id, metrics=batch[i : i + MAX_BATCH])
-            except Exception as e:
-                log.warning("could not log %d metrics to MLflow: %s", len(batch[i : i + MAX_BATCH]), e)
+            chunk = batch[i : i + MAX_BATCH]
+            self.outbox.put(lambda chunk=chunk: self._log(chunk))  # type: ignore[misc]
+
+    def _log(self, chunk: list[Metric]) -> None:
+        fresh = [m for m in chunk if m.step not in self.kept_before.get(m.key, ())]
+        if fresh:
+            self.client.log_batch(self.run_id, metrics=fresh)

@@ -16,8 +16,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 import uuid
+from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from mlflow.entities import Metric, Param, RunTag
@@ -105,18 +108,151 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def bound_requests(timeout_s: float) -> None:
+    """Make each MLflow HTTP request of this process give up after `timeout_s` seconds, without
+    MLflow's own retries (up to minutes of backoff per request): the `Outbox` retries instead.
+    Call it in a process that records a run (MLflow reads these variables at every request)."""
+    os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(max(1, round(timeout_s)))
+    os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+
+
+def _refused(e: Exception) -> bool:
+    """Whether the store answered and refused the write (HTTP 4xx but 429): retrying cannot help."""
+    status = e.get_http_status_code() if isinstance(e, MlflowException) else 500
+    return 400 <= status < 500 and status != 429
+
+
+class Outbox:
+    """Every write of a run's records to the tracking store, in call order, sent by one background
+    thread ("mlflow-outbox"), so no caller waits on the store.
+
+    A write the store does not take (unreachable, a timeout, HTTP 5xx) stays first and is tried
+    again every `retry_s` seconds for as long as the store is away: training goes on and the writes
+    are held here, then sent in order when it answers again. The outage is logged in one line when
+    it begins and one when it ends, and recorded (`on_outage(held_most, seconds)`, a
+    `tracking_outage` event) once it is over. A write the store refuses (HTTP 4xx) is dropped with a
+    warning. At most `max_held` writes are held; beyond that new ones are dropped and counted.
+    """
+
+    def __init__(self, retry_s: float = 1.0, max_held: int = 100_000):
+        self.retry_s, self.max_held = retry_s, max_held
+        self.on_outage: Callable[[int, float], None] | None = None
+        self._items: deque[Callable[[], object]] = deque()
+        self._cv = threading.Condition()
+        self._busy = False  # the head is being sent
+        self.down_since: float | None = None  # monotonic time of the first failed write of the outage
+        self.held_most = self.dropped = 0  # of the current (or last) outage
+        self._thread: threading.Thread | None = None
+
+    def put(self, write: Callable[[], object]) -> None:
+        """Queue `write` (a call to the store); returns at once."""
+        with self._cv:
+            if len(self._items) >= self.max_held:
+                self.dropped += 1
+                if self.dropped == 1:
+                    log.warning("tracking store unreachable: %d records held, dropping newer ones", self.max_held)
+                return
+            self._items.append(write)
+            if self.down_since is not None:
+                self.held_most = max(self.held_most, len(self._items))
+            self._cv.notify_all()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="mlflow-outbox", daemon=True)
+                self._thread.start()
+
+    def held(self) -> int:
+        """Writes not yet taken by the store."""
+        with self._cv:
+            return len(self._items) + self._busy
+
+    def drain(self, timeout_s: float | None = None, while_down: bool = False) -> bool:
+        """Wait until every write so far is taken, at most `timeout_s` seconds (None: no bound) and,
+        unless `while_down` (the end of a run), not at all while the store is unreachable; True if
+        none is left."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cv:
+            while self._items or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if (self.down_since is not None and not while_down) or (left is not None and left <= 0):
+                    return False
+                self._cv.wait(left if left is not None else 1.0)
+            return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._items:
+                    self._cv.wait()
+                write, self._busy = self._items[0], True
+            try:
+                write()
+                sent = True
+            except Exception as e:
+                sent = _refused(e)
+                if sent:
+                    log.warning("the tracking store refused a record, dropped: %s", str(e).splitlines()[0][:300])
+                else:
+                    self._failed(e)
+            with self._cv:
+                self._busy = False
+                if sent:
+                    self._items.popleft()
+                    outage = self._recovered()
+                self._cv.notify_all()
+            if not sent:
+                time.sleep(self.retry_s)
+            elif outage is not None and self.on_outage is not None:
+                self.on_outage(*outage)
+
+    def _failed(self, e: Exception) -> None:
+        with self._cv:
+            if self.down_since is None:
+                self.down_since, self.held_most, self.dropped = time.monotonic(), len(self._items), 0
+                log.warning(
+                    "tracking store unreachable (%s): training goes on, records are held and sent when it answers",
+                    str(e).splitlines()[0][:200],
+                )
+
+    def _recovered(self) -> tuple[int, float] | None:
+        if self.down_since is None:
+            return None
+        seconds, self.down_since = time.monotonic() - self.down_since, None
+        log.warning(
+            "tracking store answers again after %.0f s: %d records were held (%d dropped)",
+            seconds,
+            self.held_most,
+            self.dropped,
+        )
+        return self.held_most, seconds
+
+
 class MlflowRecorder(Recorder):
     """The `Recorder` of an existing MLflow run, by id (safe from Ray actors and the controller;
     the training workers record through a `RemoteRecorder` instead). Beyond the interface: what the
     driver, the CLI and the tests read back (`events`, `latest_metrics`, `load_history`) and the
     run's end (`finish`).
 
+    Every write goes through `outbox` (`Outbox`: in order, in the background, held while the store
+    is unreachable); reads (`events`, `latest_metrics`, ...) go to the store.
+
     `history`: the run's `RunHistory` that `event` keeps up to date (None: none kept).
+    `outbox`: shared by the recorders of one process's attempts (a new one if None).
+    `timeout_s`: how long `hang` and `registered` wait for the store (`waits.tracking_timeout_s`).
     """
 
-    def __init__(self, uri: str, run_id: str, history: RunHistory | None = None):
+    def __init__(
+        self,
+        uri: str,
+        run_id: str,
+        history: RunHistory | None = None,
+        outbox: Outbox | None = None,
+        timeout_s: float = 30.0,
+    ):
         self.client, self.run_id, self.history = MlflowClient(uri), run_id, history
-        self.timeline = StepTimeline(self.client, run_id)  # rank 0's per-step metrics
+        self.outbox, self.timeout_s = outbox or Outbox(), timeout_s
+        if self.outbox.on_outage is None:
+            self.outbox.on_outage = lambda held, seconds: self.event("tracking_outage", held=held, seconds=seconds)
+        self.timeline = StepTimeline(self.client, run_id, self.outbox)  # rank 0's per-step metrics
         self._plotter: ThreadPoolExecutor | None = None
         self._plot: Future | None = None
         self._plotted = -PLOT_MIN_PERIOD_S
@@ -131,10 +267,12 @@ class MlflowRecorder(Recorder):
 
     def metrics(self, step: int, values: dict[str, float]) -> None:
         ts = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), ts, step) for k, v in values.items()])
+        batch = [Metric(k, float(v), ts, step) for k, v in values.items()]
+        self.outbox.put(lambda: self.client.log_batch(self.run_id, metrics=batch))
 
     def tags(self, values: dict[str, str]) -> None:
-        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)[:5000]) for k, v in values.items()])
+        batch = [RunTag(k, str(v)[:5000]) for k, v in values.items()]
+        self.outbox.put(lambda: self.client.log_batch(self.run_id, tags=batch))
 
     def latest_metrics(self) -> dict[str, float]:
         """Each metric's latest value ({key: value})."""
@@ -147,7 +285,7 @@ class MlflowRecorder(Recorder):
         if self.history is not None:
             self.history.record(event)
         name = f"{EVENTS_DIR}/{time.time_ns()}-{uuid.uuid4().hex[:8]}.json"
-        self.client.log_dict(self.run_id, event, name)
+        self.outbox.put(lambda: self.client.log_dict(self.run_id, event, name))
 
     def events(self) -> list[dict]:
         """Every event of the run, oldest first."""
@@ -163,8 +301,9 @@ class MlflowRecorder(Recorder):
 
     def hang(self, rank: int, dump: str, stalled_s: float) -> None:
         name = f"hangs/rank{rank}-{int(time.time())}.txt"  # an MLflow artifact, beside the run folder's copy
-        self.client.log_text(self.run_id, dump, name)
+        self.outbox.put(lambda: self.client.log_text(self.run_id, dump, name))
         self.event("hang", rank=rank, stack_dump=name, stalled_s=stalled_s)
+        self.outbox.drain(self.timeout_s)
 
     def record_step(self, step: int, values: dict[str, float], current: dict[str, float], at: float) -> None:
         self.timeline.record(step, values, current, at)
@@ -174,6 +313,7 @@ class MlflowRecorder(Recorder):
 
     def registered(self) -> None:
         self.timeline.registered()
+        self.outbox.drain(self.timeout_s)
 
     def discard_after(self, step: int) -> None:
         self.timeline.discard_after(step)
@@ -181,15 +321,16 @@ class MlflowRecorder(Recorder):
     def resume_timeline(self, resumed_from: int, attempt_starts: list[float]) -> None:
         self.timeline.recover(resumed_from, attempt_starts)
 
-    def drain(self) -> None:
-        """Block until every queued step value is logged."""
-        self.timeline.drain()
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """At the end of a run: wait until every record so far reached the store, at most
+        `timeout_s` seconds (None: `timeout_s` of the recorder), the store reachable or not; True if none is left."""
+        return self.outbox.drain(self.timeout_s if timeout_s is None else timeout_s, while_down=True)
 
     def goodput(self, step: int, summary: dict[str, float], final: bool = False) -> None:
         """The final summary also goes to the artifact `goodput_summary.json`."""
         self.metrics(step, summary)
         if final:
-            self.client.log_dict(self.run_id, summary, GOODPUT_SUMMARY)
+            self.outbox.put(lambda: self.client.log_dict(self.run_id, summary, GOODPUT_SUMMARY))
 
     def refresh_loss_plot(self, wait: bool = False) -> None:
         """Re-render `loss.png` (`raytrain_ft.loss_plot`) in a background thread, off the training
@@ -222,7 +363,11 @@ class MlflowRecorder(Recorder):
 
     def write_recovery_tables(self) -> None:
         """Rebuild `recovery_history.json`, `replica_replacements.json`, `guard_events.json` and the
-        recovery totals from the events."""
+        recovery totals from the events (in the outbox: after every earlier record, retried while
+        the store is unreachable)."""
+        self.outbox.put(self._write_recovery_tables)
+
+    def _write_recovery_tables(self) -> None:
         events = self.events()
         rows, guards = recovery.recovery_rows(events), recovery.guard_rows(events)
         replaced = recovery.replacement_rows(events, steps_logged_since(self.client, self.run_id, 0.0))
@@ -231,9 +376,14 @@ class MlflowRecorder(Recorder):
         # Written whole each time in `log_table`'s layout ({"columns", "data"}); `log_table` itself appends.
         if rows:
             self.client.log_dict(self.run_id, recovery.split_table(rows), recovery.RECOVERY_TABLE)
-            self.metrics(0, recovery.totals(rows))
+            ts = int(time.time() * 1000)
+            self.client.log_batch(
+                self.run_id, metrics=[Metric(k, float(v), ts, 0) for k, v in recovery.totals(rows).items()]
+            )
         if guards:
             self.client.log_dict(self.run_id, recovery.split_table(guards), recovery.GUARD_TABLE)
 
     def finish(self, status: str) -> None:
+        """End the run with `status` once the records so far are sent (at most `timeout_s`)."""
+        self.drain()
         self.client.set_terminated(self.run_id, status=status)

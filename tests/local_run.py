@@ -41,7 +41,11 @@ def _rank(rank: int, config: dict, run_id: str, world_size: int, store: str) -> 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
         root = run_root(cfg.run.storage_path, cfg.run.name)
-        train(cfg, LocalSession(root, cfg.data.path, cfg.train.seed, cfg.tracking.uri, run_id))
+        session = LocalSession(
+            root, cfg.data.path, cfg.train.seed, cfg.tracking.uri, run_id, cfg.waits.tracking_timeout_s
+        )
+        train(cfg, session)
+        session.run_recorder.drain(120.0)  # what the store did not take yet (it was away): sent before the exit
     finally:
         dist.destroy_process_group()
 

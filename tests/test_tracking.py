@@ -88,7 +88,9 @@ def test_training_workers_do_not_import_mlflow():
 def test_the_remote_recorder_keeps_call_order_and_the_callers_timestamps(tmp_path, ray_local):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     run_id = start_or_resume_run(uri, "remote-recorder", str(tmp_path / "run"), "remote-recorder", {})
-    MlflowRecorder(uri, run_id).event("failure", causes={"0": "x"}, last_step=0, time=1.0)  # an earlier submission's
+    earlier = MlflowRecorder(uri, run_id)
+    earlier.event("failure", causes={"0": "x"}, last_step=0, time=1.0)  # an earlier submission's
+    earlier.drain()
     actor = start_recorder_actor(uri, run_id)
     recorder = RemoteRecorder(actor)
     t0 = 1_700_000_000.0  # the caller's clock, not the actor's

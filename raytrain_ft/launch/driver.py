@@ -27,12 +27,14 @@ from raytrain_ft.replicas import LIGHTHOUSE
 from raytrain_ft.run_folder import raise_if_ended, record_extension, run_root, step_of
 from raytrain_ft.schedule import extension_refusal
 from raytrain_ft.tracking import MlflowRecorder, flatten, resolve_uri, start_or_resume_run
+from raytrain_ft.waits import HEALTH_CHECK_INTERVAL_S
 
 log = logging.getLogger(__name__)
 
 # Propagated to every Ray Train worker and the controller (runtime_env).
 WORKER_ENV = {
-    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",  # default 2 s: reports and failures noticed sooner
+    # default 2 s: reports and failures noticed sooner (`waits.HEALTH_CHECK_INTERVAL_S`, what preflight checks with)
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(HEALTH_CHECK_INTERVAL_S),
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",  # worker prints appear once
     # A failed or timed-out NCCL collective aborts its communicators and tears the process down, so
     # Ray Train sees a dead worker and restarts the group. The timeout is the process group's
@@ -238,7 +240,8 @@ def _fit(cfg: Config, uri: str) -> str:
     restarts left (`restarts_left`)."""
     root = run_root(cfg.run.storage_path, cfg.run.name)
     run_id = start_or_resume_run(uri, cfg.tracking.experiment, root, cfg.run.name, flatten(to_dict(cfg)))
-    recorder_actor = start_recorder_actor(uri, run_id)  # rank 0's MLflow client, across every restart
+    # rank 0's MLflow client, across every restart
+    recorder_actor = start_recorder_actor(uri, run_id, cfg.waits.tracking_timeout_s)
     recorder = MlflowRecorder(uri, run_id)  # the driver's own: the run's status, the failure line
     started = time.time()
     baseline = baseline_resources()  # what every attempt must leave free (launch.group_start)
@@ -257,6 +260,7 @@ def _fit(cfg: Config, uri: str) -> str:
                     raise
                 # through the actor: in the run history the next attempt plans with
                 _record_group_start_failure(RemoteRecorder(recorder_actor, wait=True), e)
+                ray.get(recorder_actor.drain.remote(cfg.waits.tracking_timeout_s))  # the event is read back next
                 left = restarts_left(recorder, started, cfg.failure.max_failures)
                 if left < 0:
                     raise

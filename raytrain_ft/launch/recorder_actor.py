@@ -13,6 +13,7 @@ the run's `RunHistory` (`raytrain_ft.recovery`) that workers read through `RaySe
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,8 @@ from raytrain_ft.recovery import RunHistory
 if TYPE_CHECKING:
     from raytrain_ft.tracking import MlflowRecorder
 
-WAIT_TIMEOUT_S = 120.0
+WAIT_TIMEOUT_S = 120.0  # a caller's wait for the actor (which answers without waiting on the store)
+log = logging.getLogger(__name__)
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
@@ -36,50 +38,64 @@ class RecorderActor:
     The history is loaded from the store when the actor starts (once per submission, or after the
     actor itself restarted) and then kept up to date by every event recorded here."""
 
-    def __init__(self, uri: str, run_id: str):
-        from raytrain_ft.tracking import MlflowRecorder  # MLflow: imported here, in this actor only
+    def __init__(self, uri: str, run_id: str, timeout_s: float = 30.0):
+        from raytrain_ft.tracking import MlflowRecorder, Outbox, bound_requests  # MLflow: in this actor only
 
-        self.run_history: RunHistory = MlflowRecorder(uri, run_id).load_history()
-        self.open = lambda: MlflowRecorder(uri, run_id, self.run_history)
+        bound_requests(timeout_s)  # each request gives up after `timeout_s`; the outbox retries
+        first = MlflowRecorder(uri, run_id, timeout_s=timeout_s)
+        self.run_history: RunHistory = first.load_history()
+        self.latest: dict[str, float] = first.latest_metrics()  # then kept here: no read waits on the store
+        outbox = Outbox()  # every attempt's records, in order, held while the store is unreachable
+        self.open = lambda: MlflowRecorder(uri, run_id, self.run_history, outbox, timeout_s)
         self.recorder: MlflowRecorder = self.open()
 
     def new_attempt(self) -> None:
-        """A fresh recorder (fresh step timeline) for a new attempt, once the previous attempt's
-        queued values reached MLflow: the new attempt sorts them from there (`resume_timeline`)."""
-        self.recorder.drain()
+        """A fresh recorder (fresh step timeline) for a new attempt; the previous attempt's records
+        are sent first (one outbox), so the new attempt sorts them from there (`resume_timeline`)."""
         self.recorder = self.open()
 
     def call(self, method: str, args: tuple, kwargs: dict) -> Any:
         """`self.recorder.<method>(*args, **kwargs)`, `method` one of the `Recorder` interface's."""
         if method not in Recorder.__abstractmethods__:
             raise AttributeError(f"{method} is not a Recorder method")
+        if method == "metrics":
+            self.latest.update(args[1])
+        elif method == "record_step":
+            self.latest.update(args[2])  # `current`: last_step, current_step_time_s, ...
         return getattr(self.recorder, method)(*args, **kwargs)
 
     def latest_metrics(self) -> dict[str, float]:
-        """Each metric's latest value in the store ({key: value})."""
-        return self.recorder.latest_metrics()
+        """Each metric's latest value: the store's when the actor started, then what was recorded
+        here since ({key: value}; answered without the store)."""
+        return dict(self.latest)
 
     def history(self) -> RunHistory:
         return self.run_history
 
-    def close(self) -> None:
-        """Wait until every queued step value is logged."""
-        self.recorder.drain()
+    def held(self) -> int:
+        """Records not yet taken by the tracking store (`tracking.Outbox.held`)."""
+        return self.recorder.outbox.held()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every record is sent (at most `timeout_s`); True if none is left."""
+        return self.recorder.drain(timeout_s)
 
 
-def start_recorder_actor(uri: str, run_id: str) -> ray.actor.ActorHandle:
+def start_recorder_actor(uri: str, run_id: str, timeout_s: float = 30.0) -> ray.actor.ActorHandle:
     """The run's `RecorderActor`, on the driver's node: the head on a cluster (`ray job submit`),
     which outlives the worker nodes that come and go (a preempted node would take the actor and
-    its queued values with it)."""
+    its queued values with it). `timeout_s`: each MLflow request's bound (`waits.tracking_timeout_s`)."""
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return RecorderActor.options(scheduling_strategy=here).remote(uri, run_id)  # type: ignore[attr-defined]
+    return RecorderActor.options(scheduling_strategy=here).remote(uri, run_id, timeout_s)  # type: ignore[attr-defined]
 
 
 def close(actor: ray.actor.ActorHandle, timeout_s: float = 60.0) -> None:
-    """End `actor` once the step values queued there are logged (at most `timeout_s` seconds).
+    """End `actor` once the records held there are sent (at most `timeout_s` seconds: what is held
+    then is lost with the actor, one line says how much).
     Never raises: it runs on the driver's way out, after a failure too."""
-    with contextlib.suppress(ray.exceptions.RayError, TimeoutError):  # what was not logged is lost with it
-        ray.get(actor.close.remote(), timeout=timeout_s)
+    with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+        if not ray.get(actor.drain.remote(timeout_s), timeout=timeout_s + 10):
+            log.warning("the tracking store did not take %d records before the job ended", ray.get(actor.held.remote()))
     with contextlib.suppress(ray.exceptions.RayError, ValueError):
         ray.kill(actor)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Iterator
 
 import ray.train
@@ -21,15 +20,22 @@ from raytrain_ft.launch.recorder_actor import WAIT_TIMEOUT_S, RemoteRecorder
 from raytrain_ft.recovery import RunHistory
 from raytrain_ft.replicas import REPLACEMENT_ENV
 from raytrain_ft.run_folder import read_commit_ack, read_latest, step_of, write_latest, write_worker_record
+from raytrain_ft.waits import wait_for
 
 log = logging.getLogger(__name__)
-FLUSH_TIMEOUT_S = 60
 
 
 class RaySession:
     """`raytrain_ft.session.Session` for a Ray Train worker."""
 
-    def __init__(self, data_path: str, seed: int, recorder_actor: ray.actor.ActorHandle, mlflow_run_id: str):
+    def __init__(
+        self,
+        data_path: str,
+        seed: int,
+        recorder_actor: ray.actor.ActorHandle,
+        mlflow_run_id: str,
+        commit_timeout_s: float = 60.0,
+    ):
         ctx = ray.train.get_context()
         self.rank = ctx.get_world_rank()
         self.replacement = os.environ.get(REPLACEMENT_ENV) == "1"  # set by `driver.ReplicaBackend`
@@ -43,6 +49,7 @@ class RaySession:
         self.recorder_actor, self.mlflow_run_id = recorder_actor, mlflow_run_id
         self.manifest = load_manifest(data_path)
         self.last_commit: str | None = None
+        self.commit_timeout_s = commit_timeout_s
 
     def recorder(self, attempt: bool) -> RemoteRecorder:
         if attempt:
@@ -70,16 +77,18 @@ class RaySession:
         )
 
     def flush(self) -> None:
-        # The controller callback acknowledges each registered checkpoint in a file.
+        """Raises `WaitTimeoutError` when Ray Train has not registered the last commit within
+        `waits.commit_timeout_s` (the controller callback acknowledges each one in a file): the
+        attempt fails and the restart resumes from the last checkpoint Ray registered."""
         if self.last_commit is None:
             return
-        deadline = time.monotonic() + FLUSH_TIMEOUT_S
         expected = self.last_commit.split("://", 1)[-1]  # Ray records paths without the scheme
-        while (read_commit_ack(self.run_root) or "").split("://", 1)[-1] != expected:
-            if time.monotonic() > deadline:
-                log.warning("commit of %s not acknowledged after %d s", self.last_commit, FLUSH_TIMEOUT_S)
-                return
-            time.sleep(0.05)
+        wait_for(
+            lambda: (read_commit_ack(self.run_root) or "").split("://", 1)[-1] == expected,
+            self.commit_timeout_s,
+            f"rank {self.rank}: Ray Train's registration of {self.last_commit}",
+            "waits.commit_timeout_s",
+        )
 
     def preemption_pending(self) -> bool:
         # A collective in Ray Train (rank 0's view is broadcast): the loop calls it on every rank each step.
@@ -102,7 +111,7 @@ class ReplicaSession(RaySession):
     mode). Preemption notices are not read."""
 
     def __init__(self, cfg, recorder_actor: ray.actor.ActorHandle, mlflow_run_id: str):
-        super().__init__(cfg.data.path, cfg.train.seed, recorder_actor, mlflow_run_id)
+        super().__init__(cfg.data.path, cfg.train.seed, recorder_actor, mlflow_run_id, cfg.waits.commit_timeout_s)
         self.keep = cfg.checkpoint.num_to_keep
 
     def latest_checkpoint(self) -> str | None:
@@ -128,5 +137,7 @@ def train_func(args: dict) -> None:
     if cfg.failure.recovery == "replica":
         session: RaySession = ReplicaSession(cfg, args["recorder_actor"], args["mlflow_run_id"])
     else:
-        session = RaySession(cfg.data.path, cfg.train.seed, args["recorder_actor"], args["mlflow_run_id"])
+        session = RaySession(
+            cfg.data.path, cfg.train.seed, args["recorder_actor"], args["mlflow_run_id"], cfg.waits.commit_timeout_s
+        )
     loop.train(cfg, session)
