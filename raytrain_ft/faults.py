@@ -12,7 +12,13 @@ item of each restore, with the checkpoint file open: what `lsof` or `/proc/<pid>
 restore is in progress, held long enough to be seen), `hold_reduce` (the rank holds `seconds` right
 before the step's gradient reduction, after writing its marker: under replica recovery its peers
 wait inside the gradient all-reduce meanwhile, so a test that kills the holding replica once the
-marker exists kills it while its peers are in the all-reduce). `nan`, `spike`, `slow`, `slow_save` and
+marker exists kills it while its peers are in the all-reduce), `freeze` (SIGSTOP of the rank's own
+process, as a device or a host that stops answering freezes it; its moment is `at`: `start`, as
+the rank starts restoring the checkpoint of `step`, its peers inside the restore's collectives;
+`reduce`, right before the gradient reduction of `step`, its peers inside the all-reduce; `save`,
+while its write of the checkpoint of `step` is in flight, slowed as for `kill_during_save`, its
+peers in the next step's all-reduce; the driver's progress watchdog, `raytrain_ft.watchdog`, is what
+ends it). `nan`, `spike`, `slow`, `slow_save` and
 `slow_restore` last `steps` steps (`slow_restore`: restores of checkpoints of those steps); `rank: -1`
 means every rank (the rank is the worker's rank in the run: under replica recovery the replica's
 index, `Session.rank`). Each fault fires once per run: the firing rank writes
@@ -21,15 +27,16 @@ rollback) passes it; `slow`, `slow_save` and `slow_restore` are properties of th
 every pass.
 
 The injector is a step hook (`raytrain_ft.hooks`): `raise`/`kill` fire in `before_step`, `bitflip`,
-`hang` and `slow` in `after_optimizer_step`. `loss_factor`, `before_reduce`, `save_delay_s`,
+`hang` and `slow` in `after_optimizer_step`; `freeze` in `restore_delay_s`, `before_reduce` or
+`after_save_started` (its `at`). `loss_factor`, `before_reduce`, `save_delay_s`,
 `after_save_started` and `restore_delay_s` change the step's (or the restore's) own values and are
 called where they act.
 
-Before a `raise`/`kill` fault, and before a `hang` sleeps, every rank calls `settle()`: the loop
-finishes its in-flight save and waits until Ray registered the commit (the controller callback
-acknowledges it), so the step a test expects the run to resume from does not depend on timing.
-Real failures get no such courtesy, and resume is correct from any older committed checkpoint (see
-the bitwise-resume tests).
+Before a `raise`/`kill` fault, and before a `hang` sleeps or a `freeze` at `reduce` stops, every
+rank calls `settle()`: the loop finishes its in-flight save and waits until Ray registered the
+commit (the controller callback acknowledges it), so the step a test expects the run to resume
+from does not depend on timing. Real failures get no such courtesy, and resume is correct from any
+older committed checkpoint (see the bitwise-resume tests).
 """
 
 from __future__ import annotations
@@ -78,6 +85,13 @@ class FaultInjector(StepHook):
             and not self._fired(i, step)
         ]
 
+    def _freezes(self, step: int, at: str) -> list[tuple[int, FaultSpec]]:
+        return [(i, f) for i, f in self._pending(step, ("freeze",)) if f.at == at]
+
+    def _freeze(self, index: int, step: int) -> None:
+        self._mark(index, step)
+        os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops; only a SIGKILL (or SIGCONT) ends it
+
     def _mine(self, f: FaultSpec) -> bool:
         return f.rank in (-1, self.rank)
 
@@ -106,12 +120,17 @@ class FaultInjector(StepHook):
         """Seconds this rank's writer waits before writing the save of `step`: long enough for a
         `kill_during_save` to strike first, or a `slow_save` fault's `seconds`."""
         delay = self._slow_storage_s("slow_save", step)
-        if any(self._mine(f) for _, f in self._pending(step, ("kill_during_save",))):
+        held = self._pending(step, ("kill_during_save",)) + self._freezes(step, "save")
+        if any(self._mine(f) for _, f in held):
             delay = max(delay, KILL_DURING_SAVE_DELAY_S)
         return delay
 
     def restore_delay_s(self, step: int) -> float:
-        """Seconds this rank's reader holds the restore of the checkpoint of `step` (`slow_restore` faults)."""
+        """Seconds this rank's reader holds the restore of the checkpoint of `step` (`slow_restore`
+        faults); a `freeze` at `start` of `step` stops the rank here instead."""
+        for i, f in self._freezes(step, "start"):
+            if self._mine(f):
+                self._freeze(i, step)
         return self._slow_storage_s("slow_restore", step)
 
     def _slow_storage_s(self, kind: str, step: int) -> float:
@@ -121,19 +140,27 @@ class FaultInjector(StepHook):
         )
 
     def before_reduce(self, step: int) -> None:
-        """`hold_reduce`: mark, then hold this rank before the gradient reduction of `step`."""
+        """`hold_reduce`: mark, then hold this rank before the gradient reduction of `step`; `freeze`
+        at `reduce`: settle (every rank), mark, stop."""
         for i, f in self._pending(step, ("hold_reduce",)):
             if self._mine(f):
                 self._mark(i, step)
                 time.sleep(f.seconds)
+        freezes = self._freezes(step, "reduce")
+        if freezes:
+            self.settle()  # the step the frozen run resumes from must not depend on the save's timing
+        for i, f in freezes:
+            if self._mine(f):
+                self._freeze(i, step)
 
     def after_save_started(self, step: int) -> None:
-        """SIGKILL this rank while its (slowed) write of `step` is in flight."""
-        for i, f in self._pending(step, ("kill_during_save",)):
+        """SIGKILL (`kill_during_save`) or SIGSTOP (`freeze` at `save`) this rank while its (slowed)
+        write of `step` is in flight."""
+        for i, f in self._pending(step, ("kill_during_save",)) + self._freezes(step, "save"):
             if self._mine(f):
                 self._mark(i, step)
                 time.sleep(0.5)  # the writer thread is now inside its slowed write
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGSTOP if f.kind == "freeze" else signal.SIGKILL)
 
     def loss_factor(self, step: int) -> float:
         """Multiplier of this rank's loss at `step`: 1, a spike's `factor`, or NaN."""

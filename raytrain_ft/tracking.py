@@ -161,10 +161,10 @@ class MlflowRecorder(Recorder):
                     events.append(json.load(f))
         return sorted(events, key=lambda e: e["time"])
 
-    def hang(self, rank: int, dump: str, stalled_s: float) -> None:
-        name = f"hangs/rank{rank}-{int(time.time())}.txt"  # an MLflow artifact, beside the run folder's copy
+    def hang(self, ranks: list[int], step: int, dump: str, stalled_s: float) -> None:
+        name = f"hangs/step{step}-{int(time.time())}.txt"  # an MLflow artifact, beside the run folder's copy
         self.client.log_text(self.run_id, dump, name)
-        self.event("hang", rank=rank, stack_dump=name, stalled_s=stalled_s)
+        self.event("hang", ranks=ranks, step=step, stack_dump=name, stalled_s=stalled_s)
 
     def record_step(self, step: int, values: dict[str, float], current: dict[str, float], at: float) -> None:
         self.timeline.record(step, values, current, at)

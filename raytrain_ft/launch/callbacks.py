@@ -136,8 +136,10 @@ class FailureRecorder(ControllerCallback):
     it a replacement in the recovery history (`recovery.replacement_rows`), not a restart.
     """
 
-    def __init__(self, recorder_actor: ray.actor.ActorHandle, replicas: int = 0):
-        self.recorder_actor, self.replicas = recorder_actor, replicas
+    def __init__(
+        self, recorder_actor: ray.actor.ActorHandle, replicas: int = 0, watchdog: ray.actor.ActorHandle | None = None
+    ):
+        self.recorder_actor, self.replicas, self.watchdog = recorder_actor, replicas, watchdog
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
         if (worker_exceptions := decided_failure(current_state)) is not None:
@@ -150,6 +152,7 @@ class FailureRecorder(ControllerCallback):
         `restarting`: Ray Train goes on, else the run ends)."""
         # Ray restarts the group only after this returns: one read, one tag write, one event file.
         causes = {str(rank): plain_cause(e) for rank, e in sorted(worker_exceptions.items())}
+        causes.update({str(r): c for r, c in self.stopped_by_watchdog().items() if r in worker_exceptions})
         try:
             recorder = RemoteRecorder(self.recorder_actor, wait=True, timeout_s=TRACKING_TIMEOUT_S)
             latest = recorder.latest_metrics()
@@ -167,3 +170,14 @@ class FailureRecorder(ControllerCallback):
             )
         except Exception as e:  # the restart goes on without this record
             log.warning("failure (%s) not recorded in MLflow: %s", cause_text(causes), e)
+
+    def stopped_by_watchdog(self) -> dict[int, str]:
+        """{rank: cause} of the ranks the progress watchdog stopped (`launch.progress_watchdog`): their
+        cause is the stall, not the SIGKILL that ended them."""
+        if self.watchdog is None:
+            return {}
+        try:
+            return ray.get(self.watchdog.causes.remote(), timeout=TRACKING_TIMEOUT_S)
+        except ray.exceptions.RayError as e:
+            log.warning("the progress watchdog did not answer: %s", e)
+            return {}
