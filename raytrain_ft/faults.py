@@ -15,7 +15,8 @@ wait inside the gradient all-reduce meanwhile, so a test that kills the holding 
 marker exists kills it while its peers are in the all-reduce), `freeze` (SIGSTOP of the rank's own
 process, as a device or a host that stops answering freezes it; its moment is `at`: `start`, as
 the rank starts restoring the checkpoint of `step`, its peers inside the restore's collectives;
-`reduce`, right before the gradient reduction of `step`, its peers inside the all-reduce; `save`,
+`reduce`, right before the gradient reduction across replicas of `step` (`before_reduce`; under DDP
+after the backward's all-reduce), its peers inside the step's next collective; `save`,
 while its write of the checkpoint of `step` is in flight, slowed as for `kill_during_save`, its
 peers in the next step's all-reduce; the driver's progress watchdog, `raytrain_ft.watchdog`, is what
 ends it). `nan`, `spike`, `slow`, `slow_save` and
@@ -32,7 +33,7 @@ The injector is a step hook (`raytrain_ft.hooks`): `raise`/`kill` fire in `befor
 `after_save_started` and `restore_delay_s` change the step's (or the restore's) own values and are
 called where they act.
 
-Before a `raise`/`kill` fault, and before a `hang` sleeps or a `freeze` at `reduce` stops, every
+Before a `raise`/`kill` fault, before a `hang` sleeps and before a `freeze` at `reduce` or `save`, every
 rank calls `settle()`: the loop finishes its in-flight save and waits until Ray registered the
 commit (the controller callback acknowledges it), so the step a test expects the run to resume
 from does not depend on timing. Real failures get no such courtesy, and resume is correct from any
@@ -44,6 +45,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 
@@ -90,7 +92,9 @@ class FaultInjector(StepHook):
 
     def _freeze(self, index: int, step: int) -> None:
         self._mark(index, step)
-        os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops; only a SIGKILL (or SIGCONT) ends it
+        # Every thread stops; only a SIGKILL (or SIGCONT) ends it. Sent to this thread, not the process:
+        # a process-directed signal let this thread run on for a moment (seen in py-spy's dump: past the point).
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
     def _mine(self, f: FaultSpec) -> bool:
         return f.rank in (-1, self.rank)
@@ -120,6 +124,8 @@ class FaultInjector(StepHook):
         """Seconds this rank's writer waits before writing the save of `step`: long enough for a
         `kill_during_save` to strike first, or a `slow_save` fault's `seconds`."""
         delay = self._slow_storage_s("slow_save", step)
+        if self._freezes(step, "save"):
+            self.settle()  # the step the frozen run resumes from must not depend on the last save's timing
         held = self._pending(step, ("kill_during_save",)) + self._freezes(step, "save")
         if any(self._mine(f) for _, f in held):
             delay = max(delay, KILL_DURING_SAVE_DELAY_S)
@@ -158,9 +164,12 @@ class FaultInjector(StepHook):
         write of `step` is in flight."""
         for i, f in self._pending(step, ("kill_during_save",)) + self._freezes(step, "save"):
             if self._mine(f):
+                if f.kind == "freeze":
+                    time.sleep(0.5)  # the writer thread is now inside its slowed write
+                    self._freeze(i, step)
                 self._mark(i, step)
-                time.sleep(0.5)  # the writer thread is now inside its slowed write
-                os.kill(os.getpid(), signal.SIGSTOP if f.kind == "freeze" else signal.SIGKILL)
+                time.sleep(0.5)
+                os.kill(os.getpid(), signal.SIGKILL)
 
     def loss_factor(self, step: int) -> float:
         """Multiplier of this rank's loss at `step`: 1, a spike's `factor`, or NaN."""

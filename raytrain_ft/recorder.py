@@ -42,8 +42,9 @@ class Recorder(ABC):
         Kinds: `raytrain_ft.recovery` (failure, attempt_start, first_step, hang, rollback, ...)."""
 
     @abstractmethod
-    def hang(self, ranks: list[int], step: int, dump: str, stalled_s: float) -> None:
-        """Every worker's stacks (`dump`, text) when `ranks` stalled after `step`, and a `hang` event
+    def hang(self, ranks: list[int], step: int | None, dump: str, stalled_s: float) -> None:
+        """Every worker's stacks (`dump`, text) when `ranks` stalled after `step` (None: before the first
+        step of their start), and a `hang` event
         (`stalled_s`: seconds since their last progress). Waits until recorded: the progress watchdog
         stops those ranks right after."""
 
@@ -94,7 +95,7 @@ class NullRecorder(Recorder):
     def event(self, kind: str, **fields: object) -> None:
         pass
 
-    def hang(self, ranks: list[int], step: int, dump: str, stalled_s: float) -> None:
+    def hang(self, ranks: list[int], step: int | None, dump: str, stalled_s: float) -> None:
         pass
 
     def record_step(self, step: int, values: dict[str, float], current: dict[str, float], at: float) -> None:
@@ -140,7 +141,7 @@ class Gated(Recorder):
         if self.when():
             self.inner.event(kind, **fields)
 
-    def hang(self, ranks: list[int], step: int, dump: str, stalled_s: float) -> None:
+    def hang(self, ranks: list[int], step: int | None, dump: str, stalled_s: float) -> None:
         if self.when():
             self.inner.hang(ranks, step, dump, stalled_s)
 

@@ -82,11 +82,11 @@ class Watched:
 @dataclass(frozen=True)
 class Stall:
     """A decision to stop the attempt: `ranks` past their bound, `step` the last step every watched
-    rank completed (0 before any), `stalled_s` seconds since the stalled ranks' last progress,
-    `bound_s` the bound they passed."""
+    rank completed since its start (None while one has completed none), `stalled_s` seconds since
+    the stalled ranks' last progress, `bound_s` the bound they passed."""
 
     ranks: list[int]
-    step: int
+    step: int | None
     stalled_s: float
     bound_s: float
 
@@ -110,10 +110,16 @@ class Progress:
         """The worker group is shut down: nothing to watch until the next `watch`."""
         self.ranks.clear()
 
-    def forget(self, ranks: list[int]) -> None:
-        """Stop watching `ranks` (stopped by the watchdog: Ray Train replaces or restarts them)."""
+    def forget(self, ranks: list[int], now: float) -> None:
+        """Stop watching `ranks` (stopped by the watchdog: Ray Train restarts or replaces them); the
+        others' clocks restart at `now`: their wait for the stopped ranks is not a stall of their own."""
         for rank in ranks:
             self.ranks.pop(rank, None)
+        for w in self.ranks.values():
+            if w.at is None:
+                w.since = now
+            else:
+                w.at = now
 
     def beat(self, rank: int, step: int, now: float) -> None:
         """`rank` completed `step`; ignored from a rank not watched (its group is gone)."""
@@ -144,8 +150,9 @@ class Progress:
         if not late:
             return None
         oldest = min(w.at or w.since for w in late.values())
-        steps = [w.step or 0 for w in self.ranks.values()]
-        return Stall(sorted(late), min(steps), now - oldest, max(self.bound_s(w) for w in late.values()))
+        steps = [w.step for w in self.ranks.values()]
+        step = None if None in steps else min(s for s in steps if s is not None)
+        return Stall(sorted(late), step, now - oldest, max(self.bound_s(w) for w in late.values()))
 
     def not_arrived(self, stall: Stall, states: dict[int, str]) -> list[int]:
         """Which of `stall.ranks` did not arrive: the ones with the oldest progress (the lowest last

@@ -130,6 +130,9 @@ class FailureRecorder(ControllerCallback):
     tracking error is logged and never decides whether Ray restarts the group (Ray Train ends the
     run on an exception from a callback).
 
+    A rank the driver's progress watchdog stopped (`watchdog`, `launch.progress_watchdog`) died of a
+    SIGKILL, but its cause is the stall: the watchdog's cause replaces Ray's for that rank.
+
     Under `failure.recovery: replica` (`replicas`: the run's number of replicas, else 0) Ray Train
     replaces only the failed replicas when some replicas are still healthy (it restarts every one
     when all failed): such a failure's event also lists the replaced ranks (`replaced`), which makes

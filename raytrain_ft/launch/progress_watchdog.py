@@ -155,8 +155,9 @@ class ProgressWatchdog:
         at = time.time()
         path = stacks_path(self.run_root, stall.step, at)
         who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        where = f"after step {stall.step}" if stall.step is not None else "before the first step of its start"
         line = (
-            f"progress watchdog: {who} did not arrive after step {stall.step}: no step for {stall.stalled_s:.0f} s "
+            f"progress watchdog: {who} did not arrive {where}: no progress for {stall.stalled_s:.0f} s "
             f"(bound {stall.bound_s:g} s); every worker's stacks in {path}"
         )
         dump = (
@@ -174,10 +175,10 @@ class ProgressWatchdog:
             self.recorder.hang(ranks, stall.step, dump, stall.stalled_s)
         except Exception as e:  # the stacks are in the run folder; stop the ranks anyway
             log.warning("progress watchdog: stacks not recorded in MLflow: %s", e)
-        cause = f"no step for {stall.stalled_s:.0f} s after step {stall.step} (progress watchdog; stacks: {path})"
+        cause = f"no progress for {stall.stalled_s:.0f} s {where} (progress watchdog; stacks: {path})"
         with self.lock:
             self.stop_causes.update({r: cause for r in ranks})
-            self.progress.forget(ranks)
+            self.progress.forget(ranks, time.time())
         log.error(line)
         print(line, file=sys.stderr, flush=True)
         for r in ranks:

@@ -109,7 +109,7 @@ class RemoteRecorder(Recorder):
     def event(self, kind: str, **fields: object) -> None:
         self._call("event", kind, kwargs={"time": time.time(), **fields})
 
-    def hang(self, ranks: list[int], step: int, dump: str, stalled_s: float) -> None:
+    def hang(self, ranks: list[int], step: int | None, dump: str, stalled_s: float) -> None:
         self._call("hang", ranks, step, dump, stalled_s, waited=True)
 
     def record_step(self, step: int, values: dict[str, float], current: dict[str, float], at: float) -> None:

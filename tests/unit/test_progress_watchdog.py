@@ -18,7 +18,7 @@ def test_a_start_is_judged_by_the_start_bound_and_steps_by_the_step_bound():
     p = two_ranks()
     assert p.stalled(59.0) is None  # 59 s of group start: within the 60 s start bound
     stall = p.stalled(61.0)
-    assert stall is not None and (stall.ranks, stall.step, stall.bound_s) == ([0, 1], 0, 60.0)
+    assert stall is not None and (stall.ranks, stall.step, stall.bound_s) == ([0, 1], None, 60.0)
     p = two_ranks()
     for t, step in ((20.0, 1), (21.0, 2)):
         p.beat(0, step, t)
@@ -62,8 +62,8 @@ def test_a_replica_that_stalls_while_the_others_train_is_the_only_one_past_its_b
     p.beat(1, 1, 1.0)
     stall = p.stalled(19.5)
     assert stall is not None and stall.ranks == [1] and p.not_arrived(stall, {}) == [1]
-    p.forget([1])  # the watchdog stopped it; Ray Train replaces it
-    assert p.stalled(19.5) is None
+    p.forget([1], now=19.5)  # the watchdog stopped it; Ray Train replaces it
+    assert p.stalled(19.5) is None and p.ranks[0].at == 19.5
     p.watch({1: (102, "n1")}, now=20.0)  # the replacement: judged by the start bound from its start
     p.beat(0, 20, 78.0)
     assert p.stalled(79.0) is None
