@@ -35,7 +35,9 @@ FAULT_KINDS = (
     "kill_in_setup",
     "kill_at_launch",
     "kill_at_first_step",
+    "freeze",
 )
+FREEZE_MOMENTS = ("start", "reduce", "save")  # raytrain_ft.faults: where a `freeze` fault stops its rank
 ALERT_POLICIES = ("warn", "restart")
 INTERVAL_MODES = ("fixed", "auto")
 STRATEGIES = ("auto", "ddp", "fsdp", "hsdp")
@@ -123,7 +125,8 @@ class FailureSection:
     collective_timeout_s: int = 600  # process-group timeout: a stuck collective becomes an error
     mtbf_hours_per_gpu: float = 10000.0  # MTBF of one GPU (one worker on CPU), hours; for checkpoint.interval=auto
     group_start_timeout_s: float = 60.0  # a group start waits this long for its resources, then fails (counted)
-    hang_timeout_s: float = 0.0  # no step for this long: dump stacks, exit, restart; 0 = max(10 x median step, 300 s)
+    hang_timeout_s: float = 0.0  # no step this long: stacks recorded, attempt failed; 0 = max(10 x median step, 300 s)
+    start_timeout_s: float = 1200.0  # no first step this long after Ray Train started a rank's process: the same
     recovery: str = "restart"  # restart: a failure restarts every rank / replica: the healthy replicas keep training
 
 
@@ -189,6 +192,9 @@ class FaultSpec:
     factor: float = 1000.0  # spike: the loss (and so the gradients) of the rank is multiplied by this
     seconds: float = (
         0.0  # hang, hold_reduce: sleep once; slow: every step; slow_save / slow_restore: the writer / reader sleeps
+    )
+    at: str = (
+        "reduce"  # freeze: SIGSTOP at the restore of checkpoint `step` (start), before its reduction, or in its save
     )
 
 
@@ -262,7 +268,7 @@ def reference_markdown() -> str:
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
     lines += [f"| `{k}` | {t} | `{d}` | {m.replace('|', '/')} |" for k, t, d, m in reference_rows()]
     lines.append(
-        "| `faults[].kind`, `.step`, `.rank`, `.steps`, `.factor`, `.seconds` | see `faults` | | "
+        "| `faults[].kind`, `.step`, `.rank`, `.steps`, `.factor`, `.seconds`, `.at` | see `faults` | | "
         + "; ".join(f"`{k}`: {m}" for k, _, _, m in reference_rows(FaultSpec)).replace("|", "/")
         + " |"
     )
@@ -332,6 +338,8 @@ def _validate(cfg: Config) -> None:
     for i, f in enumerate(cfg.faults):
         if f.kind not in FAULT_KINDS:
             raise ConfigError(f"config key 'faults[{i}].kind' is {f.kind!r}; valid kinds: {', '.join(FAULT_KINDS)}")
+        if f.kind == "freeze" and f.at not in FREEZE_MOMENTS:
+            raise ConfigError(f"config key 'faults[{i}].at' is {f.at!r}; valid: {', '.join(FREEZE_MOMENTS)}")
     spike = cfg.guards.spike
     if not 1 <= spike.warmup <= spike.window:
         raise ConfigError(
@@ -360,6 +368,11 @@ def _validate(cfg: Config) -> None:
             f"config key 'checkpoint.interval' is {cfg.checkpoint.interval!r}; valid: {', '.join(INTERVAL_MODES)}"
         )
     _validate_schedule(cfg.train)
+    if not (cfg.failure.hang_timeout_s >= 0 and cfg.failure.start_timeout_s > 0):
+        raise ConfigError(
+            f"config keys 'failure.hang_timeout_s' ({cfg.failure.hang_timeout_s}) and 'failure.start_timeout_s' "
+            f"({cfg.failure.start_timeout_s}) need hang_timeout_s >= 0 (0: auto) and start_timeout_s > 0"
+        )
     if not cfg.failure.mtbf_hours_per_gpu > 0:
         raise ConfigError(f"config key 'failure.mtbf_hours_per_gpu' must be > 0, got {cfg.failure.mtbf_hours_per_gpu}")
     for key, value in dataclasses.asdict(cfg.waits).items():

@@ -12,7 +12,14 @@ item of each restore, with the checkpoint file open: what `lsof` or `/proc/<pid>
 restore is in progress, held long enough to be seen), `hold_reduce` (the rank holds `seconds` right
 before the step's gradient reduction, after writing its marker: under replica recovery its peers
 wait inside the gradient all-reduce meanwhile, so a test that kills the holding replica once the
-marker exists kills it while its peers are in the all-reduce). Three kinds kill the rank at a moment of a
+marker exists kills it while its peers are in the all-reduce), `freeze` (SIGSTOP of the rank's own
+process, as a device or a host that stops answering freezes it; its moment is `at`: `start`, as
+the rank starts restoring the checkpoint of `step`, its peers inside the restore's collectives;
+`reduce`, right before the gradient reduction across replicas of `step` (`before_reduce`; under DDP
+after the backward's all-reduce), its peers inside the step's next collective; `save`,
+while its write of the checkpoint of `step` is in flight, slowed as for `kill_during_save`, its
+peers in the next step's all-reduce; the driver's progress watchdog, `raytrain_ft.watchdog`, is what
+ends it). Three kinds kill the rank at a moment of a
 worker-group start instead of at a step: `kill_in_setup` (right after Ray Train set up the process group,
 before the start completes), `kill_at_launch` (once Ray launched the train function, before the start
 returns to the controller) and `kill_at_first_step` (before the first step of an attempt); each fires at
@@ -26,15 +33,16 @@ rollback) passes it; `slow`, `slow_save` and `slow_restore` are properties of th
 every pass.
 
 The injector is a step hook (`raytrain_ft.hooks`): `raise`/`kill` fire in `before_step`, `bitflip`,
-`hang` and `slow` in `after_optimizer_step`. `loss_factor`, `before_reduce`, `save_delay_s`,
+`hang` and `slow` in `after_optimizer_step`; `freeze` in `restore_delay_s`, `before_reduce` or
+`after_save_started` (its `at`). `loss_factor`, `before_reduce`, `save_delay_s`,
 `after_save_started` and `restore_delay_s` change the step's (or the restore's) own values and are
 called where they act.
 
-Before a `raise`/`kill` fault, and before a `hang` sleeps, every rank calls `settle()`: the loop
-finishes its in-flight save and waits until Ray registered the commit (the controller callback
-acknowledges it), so the step a test expects the run to resume from does not depend on timing.
-Real failures get no such courtesy, and resume is correct from any older committed checkpoint (see
-the bitwise-resume tests).
+Before a `raise`/`kill` fault, before a `hang` sleeps and before a `freeze` at `reduce` or `save`, every
+rank calls `settle()`: the loop finishes its in-flight save and waits until Ray registered the
+commit (the controller callback acknowledges it), so the step a test expects the run to resume
+from does not depend on timing. Real failures get no such courtesy, and resume is correct from any
+older committed checkpoint (see the bitwise-resume tests).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 
@@ -108,6 +117,15 @@ class FaultInjector(StepHook):
             and not self._fired(i, step)
         ]
 
+    def _freezes(self, step: int, at: str) -> list[tuple[int, FaultSpec]]:
+        return [(i, f) for i, f in self._pending(step, ("freeze",)) if f.at == at]
+
+    def _freeze(self, index: int, step: int) -> None:
+        self._mark(index, step)
+        # Every thread stops; only a SIGKILL (or SIGCONT) ends it. Sent to this thread, not the process:
+        # a process-directed signal let this thread run on for a moment (seen in py-spy's dump: past the point).
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+
     def _mine(self, f: FaultSpec) -> bool:
         return f.rank in (-1, self.rank)
 
@@ -138,12 +156,19 @@ class FaultInjector(StepHook):
         """Seconds this rank's writer waits before writing the save of `step`: long enough for a
         `kill_during_save` to strike first, or a `slow_save` fault's `seconds`."""
         delay = self._slow_storage_s("slow_save", step)
-        if any(self._mine(f) for _, f in self._pending(step, ("kill_during_save",))):
+        if self._freezes(step, "save"):
+            self.settle()  # the step the frozen run resumes from must not depend on the last save's timing
+        held = self._pending(step, ("kill_during_save",)) + self._freezes(step, "save")
+        if any(self._mine(f) for _, f in held):
             delay = max(delay, KILL_DURING_SAVE_DELAY_S)
         return delay
 
     def restore_delay_s(self, step: int) -> float:
-        """Seconds this rank's reader holds the restore of the checkpoint of `step` (`slow_restore` faults)."""
+        """Seconds this rank's reader holds the restore of the checkpoint of `step` (`slow_restore`
+        faults); a `freeze` at `start` of `step` stops the rank here instead."""
+        for i, f in self._freezes(step, "start"):
+            if self._mine(f):
+                self._freeze(i, step)
         return self._slow_storage_s("slow_restore", step)
 
     def _slow_storage_s(self, kind: str, step: int) -> float:
@@ -153,18 +178,29 @@ class FaultInjector(StepHook):
         )
 
     def before_reduce(self, step: int) -> None:
-        """`hold_reduce`: mark, then hold this rank before the gradient reduction of `step`."""
+        """`hold_reduce`: mark, then hold this rank before the gradient reduction of `step`; `freeze`
+        at `reduce`: settle (every rank), mark, stop."""
         for i, f in self._pending(step, ("hold_reduce",)):
             if self._mine(f):
                 self._mark(i, step)
                 time.sleep(f.seconds)
+        freezes = self._freezes(step, "reduce")
+        if freezes:
+            self.settle()  # the step the frozen run resumes from must not depend on the save's timing
+        for i, f in freezes:
+            if self._mine(f):
+                self._freeze(i, step)
 
     def after_save_started(self, step: int) -> None:
-        """SIGKILL this rank while its (slowed) write of `step` is in flight."""
-        for i, f in self._pending(step, ("kill_during_save",)):
+        """SIGKILL (`kill_during_save`) or SIGSTOP (`freeze` at `save`) this rank while its (slowed)
+        write of `step` is in flight."""
+        for i, f in self._pending(step, ("kill_during_save",)) + self._freezes(step, "save"):
             if self._mine(f):
+                if f.kind == "freeze":
+                    time.sleep(0.5)  # the writer thread is now inside its slowed write
+                    self._freeze(i, step)
                 self._mark(i, step)
-                time.sleep(0.5)  # the writer thread is now inside its slowed write
+                time.sleep(0.5)
                 os.kill(os.getpid(), signal.SIGKILL)
 
     def loss_factor(self, step: int) -> float:

@@ -17,7 +17,7 @@ Wall time runs from the MLflow run's creation (the first submission) to now. The
   - `restart_downtime`: from a failure to the start of the next attempt's workers (Ray noticing
     the failure, tearing down and starting the group, imports);
   - `restore`: building the model and loading the checkpoint, per attempt and per rollback;
-  - `hang`: from a hung rank's last step until its watchdog fired;
+  - `hang`: from a stalled rank's last step until the progress watchdog stopped it;
   - `startup`: from submission to the end of the first attempt's restore (workers, model build);
   - `replacement` (replica recovery, `raytrain_ft.replicas`): the survivors' time lost to a
     replica's failure while they keep training: a step that did not commit (a peer died in it) and

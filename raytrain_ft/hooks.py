@@ -9,11 +9,11 @@ points of each optimizer step, each hook in the order it was given:
 * `after_optimizer_step(result)`: the update is applied or skipped, the scheduler stepped and the
   data position advanced (fault injection: `bitflip`, `hang`, `slow`; goodput per step; step
   metrics and MFU; skip events);
-* `after_step(step)`: the step is over, its save started or its rollback done (watchdog beat).
+* `after_step(step)`: the step is over, its save started or its rollback done (the progress beat).
   Not called when the step raised.
 
 A hook lives with its concept (`faults.FaultInjector`, `data.audit.DataAudit`,
-`goodput.StepAccount`, `step_metrics.StepMetrics`, `watchdog.StepWatchdog`), never in the loop.
+`goodput.StepAccount`, `step_metrics.StepMetrics`, `watchdog.StepBeat`), never in the loop.
 Hooks observe; they do not change what the step computes. The exception is fault injection that
 must alter the algorithm's own values: the loss multiplier of `nan`/`spike` faults
 (`FaultInjector.loss_factor`) and the slowed and killed checkpoint writes (`save_delay_s`,

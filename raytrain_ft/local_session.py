@@ -61,6 +61,9 @@ class LocalSession:
     def flush(self) -> None:
         dist.barrier()
 
+    def beat(self, step: int) -> None:
+        pass  # no progress watchdog without Ray: a stalled local run waits on its collectives' timeout
+
     def preemption_pending(self) -> bool:
         return False
 

@@ -23,8 +23,8 @@ failures, attempt starts, hangs and rollbacks).
 The per-step side work runs in step hooks (`raytrain_ft.hooks`), in this order: fault injection
 (`faults`), the goodput ledger (`goodput.StepAccount`: every second of wall time in one bucket; rank
 0's is checkpointed and recorded), step metrics and MFU (`step_metrics`), the data audit
-(`data.audit`), the watchdog beat (`watchdog`). Fault injection that changes the step's own values
-(loss multiplier, slowed or killed checkpoint writes) is called where it acts.
+(`data.audit`), the progress beat to the driver's watchdog (`watchdog`). Fault injection that
+changes the step's own values (loss multiplier, slowed or killed checkpoint writes) is called where it acts.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ from raytrain_ft.train_state import (
 )
 from raytrain_ft.validation import Validation
 from raytrain_ft.waits import bounded
-from raytrain_ft.watchdog import StepWatchdog
+from raytrain_ft.watchdog import StepBeat
 
 log = logging.getLogger(__name__)
 
@@ -196,11 +196,9 @@ def train(cfg: Config, session: Session) -> None:
         while trainer.progress.step < cfg.train.max_steps:
             trainer.step()
     except StorageFullError as e:  # every rank, at the same save: end the run instead of restarting
-        trainer.watchdog.stop()
         if trainer.rank == 0:
             end_run(session.run_root, str(e))
         return
-    trainer.watchdog.stop()  # the final write may take longer than a step
     trainer.finish()
     trainer.members.finish(session.run_root)
 
@@ -265,12 +263,7 @@ class Trainer:
         self.faults = FaultInjector(  # a fault's rank is the run's (under replica recovery the replica's)
             cfg.faults, session.rank, session.run_root, self.settle, lambda: self.par.local_parameters()[0]
         )
-        self.watchdog = StepWatchdog(  # every rank: the hung one reports its stacks
-            cfg.failure.hang_timeout_s,
-            session.run_root,
-            self.rank,
-            lambda *hang: session.recorder(attempt=False).hang(self.rank, *hang),
-        )
+        self.beat = StepBeat(session.beat)  # every rank: the driver's watchdog stops a rank that stalls
         # auto: planned in `begin` from the run's failures
         self.schedule = CheckpointSchedule(cfg.checkpoint.interval_steps)
         self.save_due = self.preemption_saved = self.done = False
@@ -285,7 +278,7 @@ class Trainer:
             self.step_recorder,
             self.rank,
         )
-        self.hooks = StepHooks([self.faults, StepAccount(self.ledger), metrics, self.audit, self.watchdog])
+        self.hooks = StepHooks([self.faults, StepAccount(self.ledger), metrics, self.audit, self.beat])
 
     def begin(self) -> None:
         """Start the attempt (every rank, collectives): restore the committed checkpoint (or an
@@ -298,7 +291,7 @@ class Trainer:
         )
         if rng_key(self.rank) not in loaded:  # fresh start, or a rank added by an elastic resize
             seed_rngs(cfg.train.seed + self.progress.step, self.rank)
-        self.watchdog.beat(step_done=False)  # restoring a large checkpoint is neither a hang nor a step
+        self.beat.restored()  # restoring a large checkpoint is not a step
         share = Share(self.plan, self.rank)
         self.members = step_members(
             cfg,
@@ -370,7 +363,7 @@ class Trainer:
         self.recorder.committed(step)
         if self.schedule.auto:  # every rank plans with the slowest rank's figures
             cp = self.checkpointer
-            measured = torch.tensor([cp.last_cost_s, cp.last_duration_s, self.watchdog.median_step_s])
+            measured = torch.tensor([cp.last_cost_s, cp.last_duration_s, self.beat.median_step_s])
             dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.group)
             planned = self.schedule.update(*measured.tolist())
             if planned:

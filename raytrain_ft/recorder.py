@@ -42,9 +42,11 @@ class Recorder(ABC):
         Kinds: `raytrain_ft.recovery` (failure, attempt_start, first_step, hang, rollback, ...)."""
 
     @abstractmethod
-    def hang(self, rank: int, dump: str, stalled_s: float) -> None:
-        """A hung rank's stack dump (`dump`, text) and a `hang` event (`stalled_s`: seconds since its
-        last step). Waits until recorded: the rank exits right after."""
+    def hang(self, ranks: list[int], step: int | None, dump: str, stalled_s: float) -> None:
+        """Every worker's stacks (`dump`, text) when `ranks` stalled after `step` (None: before the first
+        step of their start), and a `hang` event
+        (`stalled_s`: seconds since their last progress). Waits until recorded: the progress watchdog
+        stops those ranks right after."""
 
     @abstractmethod
     def record_step(self, step: int, values: dict[str, float], current: dict[str, float], at: float) -> None:
@@ -93,7 +95,7 @@ class NullRecorder(Recorder):
     def event(self, kind: str, **fields: object) -> None:
         pass
 
-    def hang(self, rank: int, dump: str, stalled_s: float) -> None:
+    def hang(self, ranks: list[int], step: int | None, dump: str, stalled_s: float) -> None:
         pass
 
     def record_step(self, step: int, values: dict[str, float], current: dict[str, float], at: float) -> None:
@@ -139,9 +141,9 @@ class Gated(Recorder):
         if self.when():
             self.inner.event(kind, **fields)
 
-    def hang(self, rank: int, dump: str, stalled_s: float) -> None:
+    def hang(self, ranks: list[int], step: int | None, dump: str, stalled_s: float) -> None:
         if self.when():
-            self.inner.hang(rank, dump, stalled_s)
+            self.inner.hang(ranks, step, dump, stalled_s)
 
     def record_step(self, step: int, values: dict[str, float], current: dict[str, float], at: float) -> None:
         if self.when():

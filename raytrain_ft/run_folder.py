@@ -12,7 +12,8 @@ there, and the helpers that read and write them. No other module spells a path i
     run_ended_by_error                a worker's message for an error no restart cures (a full disk)
     workers/rank<R>.json              each worker's pid, node IP and start time, per attempt
     workers/replica<R>.final.json     a replica's final state digest (`failure.recovery: replica`)
-    hangs/rank<R>-<unix s>.txt        a hung rank's stack dump (`raytrain_ft.watchdog`)
+    hangs/step<N>-<unix s>.txt        every worker's stacks when ranks stalled after step N (the progress watchdog;
+                                      `start-<unix s>.txt` before the first step of a start)
     faults/<index>-<step>.fired       fault-injection markers: a fault fires once per run
     audit/<ns>-<first>-<last>.parquet the sample ids every rank trained (`raytrain_ft.data.audit`)
 
@@ -230,9 +231,11 @@ def worker_records(root: str, world_size: int, since: float) -> dict[int, dict] 
     return records
 
 
-def hang_dump_path(root: str, rank: int, at: float) -> str:
-    """Where a hung rank's stack dump goes: `hangs/rank<R>-<unix s>.txt`."""
-    return run_file(root, HANGS_DIR, f"rank{rank}-{int(at)}.txt")
+def stacks_path(root: str, step: int | None, at: float) -> str:
+    """Where the progress watchdog writes every worker's stacks (`raytrain_ft.launch.progress_watchdog`)
+    when ranks stalled after `step` (None: before the first step of their start) at unix time `at`:
+    `hangs/step<N>-<unix s>.txt` (`hangs/start-<unix s>.txt`)."""
+    return run_file(root, HANGS_DIR, f"{'start' if step is None else f'step{step}'}-{int(at)}.txt")
 
 
 def fault_marker(root: str, index: int, step: int) -> str:

@@ -27,8 +27,8 @@ class Session(Protocol):
 
     def recorder(self, attempt: bool) -> Recorder:
         """The run's recorder (`raytrain_ft.recorder`). `attempt=True` (rank 0, once per attempt):
-        this attempt's, with a fresh step timeline; `attempt=False`: for a one-off record (a rank
-        reporting a hang)."""
+        this attempt's, with a fresh step timeline; `attempt=False`: the run's recorder without a new
+        timeline (under replica recovery, a replica that records steps but does not start the attempt)."""
 
     def history(self) -> RunHistory:
         """A copy of the run's history so far (when it began, its failures, attempt starts, hangs and
@@ -43,6 +43,10 @@ class Session(Protocol):
 
     def flush(self) -> None:
         """Return once the runtime has registered every earlier commit (called on every rank)."""
+
+    def beat(self, step: int) -> None:
+        """This rank completed `step` (called after every step, on every rank): the runtime's progress
+        watchdog (`raytrain_ft.watchdog`) stops a rank that stops beating. Returns at once."""
 
     def preemption_pending(self) -> bool:
         """True once a node of this run is about to be preempted (same answer on every rank)."""

@@ -299,10 +299,11 @@ class MlflowRecorder(Recorder):
                     events.append(json.load(f))
         return sorted(events, key=lambda e: e["time"])
 
-    def hang(self, rank: int, dump: str, stalled_s: float) -> None:
-        name = f"hangs/rank{rank}-{int(time.time())}.txt"  # an MLflow artifact, beside the run folder's copy
+    def hang(self, ranks: list[int], step: int | None, dump: str, stalled_s: float) -> None:
+        # an MLflow artifact, beside the run folder's copy (`run_folder.stacks_path`)
+        name = f"hangs/{'start' if step is None else f'step{step}'}-{int(time.time())}.txt"
         self.outbox.put(lambda: self.client.log_text(self.run_id, dump, name))
-        self.event("hang", rank=rank, stack_dump=name, stalled_s=stalled_s)
+        self.event("hang", ranks=ranks, step=step, stack_dump=name, stalled_s=stalled_s)
         self.outbox.drain(self.timeout_s)
 
     def record_step(self, step: int, values: dict[str, float], current: dict[str, float], at: float) -> None:

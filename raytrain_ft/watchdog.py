@@ -1,99 +1,167 @@
-"""Step watchdog: a rank that completes no step for `timeout_s` dumps every thread's stack and exits.
+"""Progress watchdog: the ranks' step beats (`StepBeat`, on every rank) and the decision the driver's
+watchdog makes from them (`Progress`, Ray-free; `raytrain_ft.launch.progress_watchdog` acts on it).
 
-A hung collective or a stuck data read otherwise blocks forever (the process-group timeout covers
-collectives only, and only when the backend honours it). The watchdog is a daemon thread: if no
-`beat()` arrives for `timeout_s` seconds it writes `faulthandler`'s dump of all Python threads to
-stderr (the Ray worker log) and to `<run folder>/hangs/rank<R>-<unix time>.txt`, calls `on_hang`
-with the dump and the seconds since the last step (logged to MLflow), waits `HANG_EXIT_GRACE_S`
-(so peers that fired at the same time report too), then `os._exit(HANG_EXIT_CODE)`, so Ray
-restarts the worker group from the last checkpoint.
+A rank that completes no step blocks its peers in the next collective, and a frozen process (a
+SIGSTOP, a device that stopped answering) freezes every thread in it, so a watchdog inside the rank
+would freeze with it; during the worker group's start nothing in the rank watches at all. So the
+watchdog runs outside the workers: each rank reports every completed step (`StepBeat.after_step` ->
+`Session.beat`) and the driver's `Progress` decides, every second, whether a rank is past its bound:
 
-The watchdog is a step hook (`raytrain_ft.hooks`): `after_step` beats.
+* from a rank's start (Ray Train created its process: a group start or a replica's replacement)
+  until its first step: `failure.start_timeout_s` (the process group, the model, the restore of the
+  checkpoint, the first batch and the first step);
+* after a step: `failure.hang_timeout_s`, or when it is 0 the larger of `STEP_FACTOR` x the median
+  step time so far and `MIN_STEP_TIMEOUT_S` (a rule of thumb: a healthy step is never 10x slower;
+  the floor covers a step that also saves or validates).
 
-Timeout: `failure.hang_timeout_s`, or when it is 0 the larger of 10 x the median step time so far
-and 300 s (a rule of thumb: a step is never 10x slower when healthy).
+A rank past its bound stops the attempt: the driver records every worker's stacks and stops the ranks
+that did not arrive (`not_arrived`), which Ray Train counts as a failure. Under restart recovery one
+stalled rank stalls every rank (they wait for it in the next collective); under replica recovery the
+others train on, and only the stalled replica is past its bound. A rank that beat the run's last
+step (`max_steps`) is no longer watched: its final save may take longer than a step.
+
+This replaces the per-rank watchdog thread an earlier version ran in every worker (faulthandler
+dumps and `os._exit`): everything it caught (a step that never ends: a stuck collective, a stuck
+data read) the driver's watchdog catches too, from the outside, and it also catches what a thread in
+the rank cannot: a frozen process and a stall before the first step.
 """
 
 from __future__ import annotations
 
-import faulthandler
-import os
 import statistics
-import sys
-import tempfile
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
-
-import fsspec
+from dataclasses import dataclass
 
 from raytrain_ft.hooks import StepHook
-from raytrain_ft.run_folder import hang_dump_path
 
-HANG_EXIT_CODE = 75
-# A hung rank's peers block in their next collective one beat later at most, so their watchdogs fire
-# within about a second of each other. The first rank to exit makes Ray tear the whole group down,
-# which killed the rank that actually hung while it was still reporting its stacks (a fresh-clone CI
-# run of test_a_hung_rank_...: only rank 0, blocked in an all-reduce, was recorded). Every rank waits
-# this long after its own report before exiting, so each rank that fired gets its report in.
-HANG_EXIT_GRACE_S = 10.0
-MIN_AUTO_TIMEOUT_S = 300.0
+STEP_FACTOR = 10
+MIN_STEP_TIMEOUT_S = 300.0
+# /proc/<pid>/stat states of a process that cannot be running its step: stopped by a signal or a
+# tracer, in uninterruptible sleep (a device or a filesystem that does not answer), or dead.
+NOT_RUNNING = ("T", "t", "D", "Z")
 
 
-class StepWatchdog(StepHook):
-    def __init__(self, timeout_s: float, run_root: str, rank: int, on_hang: Callable[[str, float], None] | None = None):
-        self.fixed_timeout_s, self.run_root, self.rank, self.on_hang = timeout_s, run_root.rstrip("/"), rank, on_hang
-        self.last_beat = time.monotonic()
+class StepBeat(StepHook):
+    """One rank's side: `beat(step)` after every completed step (`after_step`), and the rank's median
+    step time (the auto checkpoint interval plans with it)."""
+
+    def __init__(self, beat: Callable[[int], None]):
+        self.beat = beat
+        self.last = time.monotonic()
         self.step_times: deque[float] = deque(maxlen=100)
-        self.stopped = threading.Event()
-        threading.Thread(target=self._watch, name="step-watchdog", daemon=True).start()
-
-    @property
-    def timeout_s(self) -> float:
-        if self.fixed_timeout_s > 0:
-            return self.fixed_timeout_s
-        return max(10 * self.median_step_s, MIN_AUTO_TIMEOUT_S)
 
     @property
     def median_step_s(self) -> float:
-        """Median seconds between the last 100 beats (0 before the first)."""
+        """Median seconds between the last 100 steps (0 before the first)."""
         return statistics.median(self.step_times) if self.step_times else 0.0
 
-    def beat(self, step_done: bool = True) -> None:
-        """Call after every completed step; `step_done=False` restarts the clock without a step-time
-        sample (after a restore, which is not a step)."""
-        now = time.monotonic()
-        if step_done:
-            self.step_times.append(now - self.last_beat)
-        self.last_beat = now
+    def restored(self) -> None:
+        """The restore is done: the next step's time counts from now (a restore is not a step)."""
+        self.last = time.monotonic()
 
     def after_step(self, step: int) -> None:
-        self.beat()
+        now = time.monotonic()
+        self.step_times.append(now - self.last)
+        self.last = now
+        self.beat(step)
+
+
+@dataclass
+class Watched:
+    """One rank's process and progress: `since` its start, its last beat `step` at `at` (unix s)."""
+
+    pid: int
+    node_id: str
+    since: float
+    step: int | None = None
+    at: float | None = None
+
+
+@dataclass(frozen=True)
+class Stall:
+    """A decision to stop the attempt: `ranks` past their bound, `step` the last step every watched
+    rank completed since its start (None while one has completed none), `stalled_s` seconds since
+    the stalled ranks' last progress, `bound_s` the bound they passed."""
+
+    ranks: list[int]
+    step: int | None
+    stalled_s: float
+    bound_s: float
+
+
+class Progress:
+    """The driver's view of every rank's progress (times are unix seconds). `step_timeout_s` 0: auto
+    (`step_bound_s`)."""
+
+    def __init__(self, step_timeout_s: float, start_timeout_s: float, max_steps: int):
+        self.step_timeout_s, self.start_timeout_s, self.max_steps = step_timeout_s, start_timeout_s, max_steps
+        self.ranks: dict[int, Watched] = {}
+        self.step_times: deque[float] = deque(maxlen=100)
+
+    def watch(self, ranks: dict[int, tuple[int, str]], now: float) -> None:
+        """Ray Train started these ranks' processes ({rank: (pid, node id)}): a group start (every
+        rank) or a replacement (some); each one's start bound counts from `now`."""
+        for rank, (pid, node_id) in ranks.items():
+            self.ranks[rank] = Watched(pid, node_id, now)
 
     def stop(self) -> None:
-        self.stopped.set()
+        """The worker group is shut down: nothing to watch until the next `watch`."""
+        self.ranks.clear()
 
-    def _watch(self) -> None:
-        while not self.stopped.wait(1.0):
-            if time.monotonic() - self.last_beat > self.timeout_s:
-                self._dump_and_exit()
+    def forget(self, ranks: list[int], now: float) -> None:
+        """Stop watching `ranks` (stopped by the watchdog: Ray Train restarts or replaces them); the
+        others' clocks restart at `now`: their wait for the stopped ranks is not a stall of their own."""
+        for rank in ranks:
+            self.ranks.pop(rank, None)
+        for w in self.ranks.values():
+            if w.at is None:
+                w.since = now
+            else:
+                w.at = now
 
-    def _dump_and_exit(self) -> None:
-        stalled_s = time.monotonic() - self.last_beat
-        with tempfile.TemporaryFile("w+") as f:
-            f.write(f"rank {self.rank}: no step completed for {self.timeout_s:.0f} s; stacks of all threads:\n")
-            f.flush()
-            faulthandler.dump_traceback(file=f, all_threads=True)
-            f.seek(0)
-            dump = f.read()
-        sys.stderr.write(dump)
-        sys.stderr.flush()
-        try:
-            with fsspec.open(hang_dump_path(self.run_root, self.rank, time.time()), "w", auto_mkdir=True) as out:
-                out.write(dump)
-            if self.on_hang:
-                self.on_hang(dump, stalled_s)
-            time.sleep(HANG_EXIT_GRACE_S)
-        finally:
-            os._exit(HANG_EXIT_CODE)
+    def beat(self, rank: int, step: int, now: float) -> None:
+        """`rank` completed `step`; ignored from a rank not watched (its group is gone)."""
+        w = self.ranks.get(rank)
+        if w is None:
+            return
+        if w.at is not None and step == (w.step or 0) + 1:
+            self.step_times.append(now - w.at)
+        w.step, w.at = step, now
+
+    def step_bound_s(self) -> float:
+        """`failure.hang_timeout_s`, or (0: auto) max(`STEP_FACTOR` x median step, `MIN_STEP_TIMEOUT_S`)."""
+        if self.step_timeout_s > 0:
+            return self.step_timeout_s
+        median = statistics.median(self.step_times) if self.step_times else 0.0
+        return max(STEP_FACTOR * median, MIN_STEP_TIMEOUT_S)
+
+    def bound_s(self, w: Watched) -> float:
+        return self.start_timeout_s if w.at is None else self.step_bound_s()
+
+    def stalled(self, now: float) -> Stall | None:
+        """The ranks past their bound (none that beat the last step), or None while all progress."""
+        late = {
+            r: w
+            for r, w in self.ranks.items()
+            if w.step != self.max_steps and now - (w.at or w.since) > self.bound_s(w)
+        }
+        if not late:
+            return None
+        oldest = min(w.at or w.since for w in late.values())
+        steps = [w.step for w in self.ranks.values()]
+        step = None if None in steps else min(s for s in steps if s is not None)
+        return Stall(sorted(late), step, now - oldest, max(self.bound_s(w) for w in late.values()))
+
+    def not_arrived(self, stall: Stall, states: dict[int, str]) -> list[int]:
+        """Which of `stall.ranks` did not arrive: the ones with the oldest progress (the lowest last
+        step; no step yet is lowest), and among several, those whose process is not running
+        (`states`: rank -> /proc state letter, `NOT_RUNNING`) if any is; else all of the oldest.
+        Under restart recovery the healthy ranks stall too, one beat later at most: they completed
+        the step the stalled rank did not, or wait with it inside the same step."""
+        last = {r: (self.ranks[r].step or 0) if self.ranks[r].at is not None else -1 for r in stall.ranks}
+        lowest = min(last.values())
+        oldest = [r for r in stall.ranks if last[r] == lowest]
+        frozen = [r for r in oldest if states.get(r, "") in NOT_RUNNING]
+        return frozen or oldest

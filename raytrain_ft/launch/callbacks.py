@@ -150,14 +150,19 @@ class FailureRecorder(ControllerCallback):
     tracking error is logged and never decides whether Ray restarts the group (Ray Train ends the
     run on an exception from a callback).
 
+    A rank the driver's progress watchdog stopped (`watchdog`, `launch.progress_watchdog`) died of a
+    SIGKILL, but its cause is the stall: the watchdog's cause replaces Ray's for that rank.
+
     Under `failure.recovery: replica` (`replicas`: the run's number of replicas, else 0) Ray Train
     replaces only the failed replicas when some replicas are still healthy (it restarts every one
     when all failed): such a failure's event also lists the replaced ranks (`replaced`), which makes
     it a replacement in the recovery history (`recovery.replacement_rows`), not a restart.
     """
 
-    def __init__(self, recorder_actor: ray.actor.ActorHandle, replicas: int = 0):
-        self.recorder_actor, self.replicas = recorder_actor, replicas
+    def __init__(
+        self, recorder_actor: ray.actor.ActorHandle, replicas: int = 0, watchdog: ray.actor.ActorHandle | None = None
+    ):
+        self.recorder_actor, self.replicas, self.watchdog = recorder_actor, replicas, watchdog
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
         if (worker_exceptions := decided_failure(current_state)) is not None:
@@ -173,6 +178,7 @@ class FailureRecorder(ControllerCallback):
         """The `failure` event of one worker-group failure (`worker_exceptions`: rank -> Ray's error;
         `restarting`: Ray Train goes on, else the run ends)."""
         causes = {str(rank): plain_cause(e) for rank, e in sorted(worker_exceptions.items())}
+        causes.update({str(r): c for r, c in self.stopped_by_watchdog().items() if r in worker_exceptions})
         partial = restarting and 0 < len(worker_exceptions) < self.replicas
         details = {str(rank): str(e) for rank, e in worker_exceptions.items()}  # Ray's full text
         self._event(causes, details, replaced=sorted(worker_exceptions) if partial else None)
@@ -197,3 +203,14 @@ class FailureRecorder(ControllerCallback):
             )
         except Exception as e:  # the restart goes on without this record
             log.warning("failure (%s) not recorded in MLflow: %s", cause_text(causes), e)
+
+    def stopped_by_watchdog(self) -> dict[int, str]:
+        """{rank: cause} of the ranks the progress watchdog stopped (`launch.progress_watchdog`): their
+        cause is the stall, not the SIGKILL that ended them."""
+        if self.watchdog is None:
+            return {}
+        try:
+            return ray.get(self.watchdog.causes.remote(), timeout=TRACKING_TIMEOUT_S)
+        except ray.exceptions.RayError as e:
+            log.warning("the progress watchdog did not answer: %s", e)
+            return {}

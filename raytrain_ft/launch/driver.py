@@ -15,8 +15,10 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from raytrain_ft.config import Config, to_dict
 from raytrain_ft.errors import CheckpointError, UserError, find_user_error
+from raytrain_ft.launch import progress_watchdog
 from raytrain_ft.launch.callbacks import CommitAcknowledger, FailureRecorder, describe, plain_cause
 from raytrain_ft.launch.group_start import START_TIMEOUT_ENV, StartCleaner, baseline_resources
+from raytrain_ft.launch.progress_watchdog import WatchRanks, start_watchdog
 from raytrain_ft.launch.recorder_actor import RemoteRecorder, close, start_recorder_actor
 from raytrain_ft.launch.start_faults import StartFaultConfig, StartFaults
 from raytrain_ft.launch.tracking_server import lasting_path, tracking_store
@@ -165,13 +167,24 @@ def run(cfg: Config) -> str:
 
 
 def _torch_trainer(
-    cfg: Config, recorder_actor, run_id: str, run_root: str, max_failures: int, baseline: dict[str, float]
+    cfg: Config,
+    recorder_actor,
+    watchdog,
+    run_id: str,
+    run_root: str,
+    max_failures: int,
+    baseline: dict[str, float],
 ) -> TorchTrainer:
     lo, hi = cfg.worker_range
     replicas = hi if cfg.failure.recovery == "replica" else 0  # FailureRecorder: a partial failure is a replacement
     return TorchTrainer(
         train_func,
-        train_loop_config={"config": to_dict(cfg), "recorder_actor": recorder_actor, "mlflow_run_id": run_id},
+        train_loop_config={
+            "config": to_dict(cfg),
+            "recorder_actor": recorder_actor,
+            "mlflow_run_id": run_id,
+            "watchdog": watchdog,
+        },
         # mypy reads ray.train's Ray Train v1 names; v2 (the default, which this needs) exports its own
         scaling_config=ScalingConfig(  # type: ignore[call-arg]
             num_workers=lo if lo == hi else (lo, hi),  # type: ignore[arg-type]
@@ -188,8 +201,9 @@ def _torch_trainer(
             failure_config=FailureConfig(max_failures=max_failures, controller_failure_limit=max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
             callbacks=[
-                CommitAcknowledger(run_root),
-                FailureRecorder(recorder_actor, replicas),  # type: ignore[list-item]
+                CommitAcknowledger(run_root),  # type: ignore[list-item]
+                FailureRecorder(recorder_actor, replicas, watchdog),  # type: ignore[list-item]
+                WatchRanks(watchdog),  # type: ignore[list-item]
                 StartCleaner(recorder_actor, baseline),  # type: ignore[list-item]
                 *([StartFaults(cfg.faults, run_root)] if any(f.kind == "kill_at_launch" for f in cfg.faults) else []),
             ],
@@ -242,6 +256,8 @@ def _fit(cfg: Config, uri: str) -> str:
     run_id = start_or_resume_run(uri, cfg.tracking.experiment, root, cfg.run.name, flatten(to_dict(cfg)))
     # rank 0's MLflow client, across every restart
     recorder_actor = start_recorder_actor(uri, run_id, cfg.waits.tracking_timeout_s)
+    f = cfg.failure  # the driver's progress watchdog, across every restart (`launch.progress_watchdog`)
+    watchdog = start_watchdog(root, recorder_actor, f.hang_timeout_s, f.start_timeout_s, cfg.train.max_steps)
     recorder = MlflowRecorder(uri, run_id)  # the driver's own: the run's status, the failure line
     started = time.time()
     baseline = baseline_resources()  # what every attempt must leave free (launch.group_start)
@@ -253,7 +269,7 @@ def _fit(cfg: Config, uri: str) -> str:
         left = cfg.failure.max_failures
         while True:
             try:
-                _torch_trainer(cfg, recorder_actor, run_id, root, left, baseline).fit()
+                _torch_trainer(cfg, recorder_actor, watchdog, run_id, root, left, baseline).fit()
                 break
             except Exception as e:
                 if sigterm.signalled or not failed_during_group_start(e) or find_user_error(e):
@@ -266,6 +282,7 @@ def _fit(cfg: Config, uri: str) -> str:
                     raise
                 log.warning("a worker died while the worker group started (%s); resuming, %d restarts left", e, left)
     except BaseException as e:
+        progress_watchdog.close(watchdog)
         close(recorder_actor, timeout_s=2.0 if sigterm.signalled else 60.0)  # queued values before the end time
         if sigterm.signalled:  # a terminal status and an end time; a resubmission sets RUNNING again
             recorder.finish("KILLED")
@@ -278,6 +295,7 @@ def _fit(cfg: Config, uri: str) -> str:
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
+    progress_watchdog.close(watchdog)
     close(recorder_actor)
     try:
         raise_if_ended(root)  # a worker ended the run with an error no restart cures (a full disk)

@@ -104,7 +104,7 @@ class RemoteRecorder(Recorder):
     """The `Recorder` interface, each call run by a `RecorderActor`. Calls return at once, so a slow
     tracking server never blocks a step, except `hang`, `registered`, `refresh_loss_plot(wait=True)`,
     `latest_metrics` and, with `wait`, all of them: those wait at most `timeout_s` (then
-    `ray.exceptions.GetTimeoutError`: a hung rank's watchdog still exits, an attempt start fails
+    `ray.exceptions.GetTimeoutError`: the progress watchdog still stops a stalled rank, an attempt start fails
     and Ray restarts it). Errors of calls not waited for are not raised here: Ray logs them
     ("unhandled error"), like the in-process recorder's warnings; tracking is not worth a failed
     training run. Events are stamped with the caller's clock (`time`), not the actor's."""
@@ -125,8 +125,8 @@ class RemoteRecorder(Recorder):
     def event(self, kind: str, **fields: object) -> None:
         self._call("event", kind, kwargs={"time": time.time(), **fields})
 
-    def hang(self, rank: int, dump: str, stalled_s: float) -> None:
-        self._call("hang", rank, dump, stalled_s, waited=True)
+    def hang(self, ranks: list[int], step: int | None, dump: str, stalled_s: float) -> None:
+        self._call("hang", ranks, step, dump, stalled_s, waited=True)
 
     def record_step(self, step: int, values: dict[str, float], current: dict[str, float], at: float) -> None:
         self._call("record_step", step, values, current, at)

@@ -34,6 +34,7 @@ class RaySession:
         seed: int,
         recorder_actor: ray.actor.ActorHandle,
         mlflow_run_id: str,
+        watchdog: ray.actor.ActorHandle,
         commit_timeout_s: float = 60.0,
     ):
         ctx = ray.train.get_context()
@@ -46,7 +47,7 @@ class RaySession:
         self.run_root = path if scheme == "local" else f"{scheme}://{path}"  # fsspec URL for DCP and our files
         write_worker_record(self.run_root, self.rank)
         self.data_path, self.seed = data_path, seed
-        self.recorder_actor, self.mlflow_run_id = recorder_actor, mlflow_run_id
+        self.recorder_actor, self.mlflow_run_id, self.watchdog = recorder_actor, mlflow_run_id, watchdog
         self.manifest = load_manifest(data_path)
         self.last_commit: str | None = None
         self.commit_timeout_s = commit_timeout_s
@@ -90,6 +91,9 @@ class RaySession:
             "waits.commit_timeout_s",
         )
 
+    def beat(self, step: int) -> None:
+        self.watchdog.beat.remote(self.rank, step)  # `launch.progress_watchdog.ProgressWatchdog`; not waited for
+
     def preemption_pending(self) -> bool:
         # A collective in Ray Train (rank 0's view is broadcast): the loop calls it on every rank each step.
         return ray.train.get_preemption_info() is not None
@@ -110,8 +114,10 @@ class ReplicaSession(RaySession):
     a restart of every replica resumes from it (Ray Train's `get_checkpoint()` holds none in this
     mode). Preemption notices are not read."""
 
-    def __init__(self, cfg, recorder_actor: ray.actor.ActorHandle, mlflow_run_id: str):
-        super().__init__(cfg.data.path, cfg.train.seed, recorder_actor, mlflow_run_id, cfg.waits.commit_timeout_s)
+    def __init__(self, cfg, recorder_actor: ray.actor.ActorHandle, mlflow_run_id: str, watchdog: ray.actor.ActorHandle):
+        super().__init__(
+            cfg.data.path, cfg.train.seed, recorder_actor, mlflow_run_id, watchdog, cfg.waits.commit_timeout_s
+        )
         self.keep = cfg.checkpoint.num_to_keep
 
     def latest_checkpoint(self) -> str | None:
@@ -132,12 +138,12 @@ class ReplicaSession(RaySession):
 
 
 def train_func(args: dict) -> None:
-    """`train_loop_per_worker` of the `TorchTrainer` (args: config dict, `RecorderActor`, MLflow run id)."""
+    """`train_loop_per_worker` of the `TorchTrainer` (args: config dict, `RecorderActor`, MLflow run id,
+    `ProgressWatchdog`)."""
     cfg = from_dict(args["config"])
+    actors = args["recorder_actor"], args["mlflow_run_id"], args["watchdog"]
     if cfg.failure.recovery == "replica":
-        session: RaySession = ReplicaSession(cfg, args["recorder_actor"], args["mlflow_run_id"])
+        session: RaySession = ReplicaSession(cfg, *actors)
     else:
-        session = RaySession(
-            cfg.data.path, cfg.train.seed, args["recorder_actor"], args["mlflow_run_id"], cfg.waits.commit_timeout_s
-        )
+        session = RaySession(cfg.data.path, cfg.train.seed, *actors, cfg.waits.commit_timeout_s)
     loop.train(cfg, session)

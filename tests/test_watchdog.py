@@ -1,0 +1,146 @@
+"""The driver's progress watchdog (`raytrain_ft.launch.progress_watchdog`) on frozen workers (real Ray),
+in both recovery modes.
+
+A `freeze` fault SIGSTOPs a rank's own process: every thread in it stops, so nothing inside the
+rank can report; its peers wait for it in a collective. In ONE restart-mode run, three freezes in a
+row, one per moment:
+
+1. step 8, rank 1, right before the gradient reduction (rank 0 waits inside the all-reduce);
+2. the next start, rank 0, as it restores the checkpoint of step 5 (rank 1 waits inside the restore);
+3. step 15, rank 1, while its write of the checkpoint of step 15 is in flight (rank 0 trains on to
+   the next all-reduce).
+
+Each must end in a recorded failure (a `hang` event naming the frozen rank, its stacks from py-spy
+in the run folder and in MLflow, the failure's cause the watchdog's) and a resumed run: resumed
+from 0, 5, 5 and 10, bitwise equal to the uninterrupted `reference` run, every step on the same
+sample ids. The bounds are small here (`failure.hang_timeout_s`, `failure.start_timeout_s`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from conftest import assert_resumed, assert_same_state, events, final_state, make_config, run_root
+from raytrain_ft.data.audit import read_audit
+from raytrain_ft.data.manifest import load_manifest
+from raytrain_ft.data.order import window_sample_ids
+from raytrain_ft.data.position import BatchPlan, DataPosition
+from raytrain_ft.launch.driver import run
+from raytrain_ft.recovery import failures
+from raytrain_ft.replicas import state_digest
+from raytrain_ft.run_folder import replica_final_file
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+
+STEP_BOUND_S = 12
+START_BOUND_S = 90
+
+
+@pytest.mark.timeout(600)
+def test_a_worker_frozen_in_a_collective_at_a_start_and_in_a_save_is_stopped_and_the_run_resumes(
+    tmp_path, dataset, reference
+):
+    freezes = (
+        "faults=[{kind: freeze, at: reduce, step: 8, rank: 1}, {kind: freeze, at: start, step: 5, rank: 0},"
+        " {kind: freeze, at: save, step: 15, rank: 1}]"
+    )
+    cfg = make_config(
+        tmp_path,
+        dataset,
+        "run.name=frozen",
+        "train.max_steps=30",
+        "data.audit=true",
+        "failure.max_failures=3",
+        f"failure.hang_timeout_s={STEP_BOUND_S}",
+        f"failure.start_timeout_s={START_BOUND_S}",
+        freezes,
+    )
+    run_id = run(cfg)
+    uri = cfg.tracking.uri
+    assert_resumed(uri, run_id, [0, 5, 10])  # the start frozen in its restore never started
+    ref_cfg, _, ref_state = reference
+    assert_same_state(final_state(cfg, 30), ref_state)
+    assert read_audit(run_root(cfg)).equals(read_audit(run_root(ref_cfg)))
+
+    # one hang per freeze, naming the frozen rank; the stacks say where each one stopped
+    hangs = events(uri, run_id, "hang")
+    assert [(h["ranks"], h["step"]) for h in hangs] == [([1], 7), ([0], None), ([1], 14)]
+    client = MlflowClient(uri)
+    where = ["before_reduce", "restore_delay_s", "after_save_started"]
+    folder = os.path.join(run_root(cfg), "hangs")
+    files = sorted(os.listdir(folder), key=lambda n: os.path.getmtime(os.path.join(folder, n)))
+    assert [n.split("-")[0] for n in files] == ["step7", "start", "step14"]
+    for h, frozen_in, name in zip(hangs, where, files, strict=True):
+        with open(client.download_artifacts(run_id, h["stack_dump"])) as f:
+            dump = f.read()
+        with open(os.path.join(folder, name)) as f:
+            assert f.read() == dump  # the run folder's copy
+        frozen = h["ranks"][0]
+        assert f"rank {frozen} did not arrive" in dump.splitlines()[0]
+        section = dump.split(f"--- rank {frozen} ")[1].split("--- rank")[0]
+        assert "state T" in section and "Thread" in section and frozen_in in section  # py-spy's dump
+        assert "--- rank 0 " in dump and "--- rank 1 " in dump  # every worker's stacks
+        assert h["stalled_s"] >= (START_BOUND_S if frozen_in == "restore_delay_s" else STEP_BOUND_S)
+
+    # each freeze is one counted failure, its cause the watchdog's for the frozen rank
+    recorded = [f for _, f in failures(events(uri, run_id, "failure"))]
+    assert len(recorded) == 3
+    for f, h in zip(recorded, hangs, strict=True):
+        assert "progress watchdog" in f["causes"][str(h["ranks"][0])], f["causes"]
+    assert client.get_run(run_id).data.metrics["restarts"] == 3
+
+
+REPLICA_STEPS = 14
+
+
+@pytest.mark.timeout(600)
+def test_a_frozen_replica_is_stopped_and_replaced_while_the_other_trains_on(tmp_path, dataset):
+    """Replica recovery: replica 1 freezes before its gradient all-reduce at step 6 (replica 0 waits
+    inside it). The watchdog names replica 1 (its process is stopped), records the stacks and stops
+    it; Ray Train replaces only replica 1, which heals from replica 0. No restart: one attempt, from 0.
+    Bitwise equality with a clean run does not apply here: the steps replica 0 trains alone sum the
+    global batch's gradients in another order; what holds is each step's global batch, once, and
+    replicas bitwise equal to each other and to the final checkpoint."""
+    cfg = make_config(
+        tmp_path,
+        dataset,
+        "run.name=frozen-replica",
+        "failure.recovery=replica",
+        f"train.max_steps={REPLICA_STEPS}",
+        "checkpoint.interval_steps=4",
+        "data.audit=true",
+        "failure.max_failures=1",
+        f"failure.hang_timeout_s={STEP_BOUND_S}",
+        f"failure.start_timeout_s={START_BOUND_S}",
+        "faults=[{kind: freeze, at: reduce, step: 6, rank: 1}]",
+    )
+    run_id = run(cfg)
+    uri, root = cfg.tracking.uri, run_root(cfg)
+    assert_resumed(uri, run_id, [0])  # a replacement is not a restart
+    [hang] = events(uri, run_id, "hang")
+    assert (hang["ranks"], hang["step"]) == ([1], 5)
+    with open(MlflowClient(uri).download_artifacts(run_id, hang["stack_dump"])) as f:
+        section = f.read().split("--- rank 1 ")[1].split("--- rank")[0]
+    assert "state T" in section and "before_reduce" in section
+    [failure] = [f for _, f in failures(events(uri, run_id, "failure"))]
+    assert failure["replaced"] == [1] and "progress watchdog" in failure["causes"]["1"]
+    [start] = events(uri, run_id, "replica_start")
+    assert (start["replica"], start["resumed_from"]) == (1, 4)  # the checkpoint committed before the freeze
+
+    manifest, g = load_manifest(cfg.data.path), cfg.train.global_batch_size
+    plan = BatchPlan(g, cfg.train.micro_batch_size, 1)
+    expected = window_sample_ids(cfg.data.path, manifest, cfg.train.seed, DataPosition(), plan, REPLICA_STEPS)
+    audit = read_audit(root).to_pydict()
+    trained: dict[int, list[int]] = {}
+    for step, sample in zip(audit["step"], audit["sample_id"], strict=True):
+        trained.setdefault(step, []).append(sample)
+    assert sorted(trained) == list(range(1, REPLICA_STEPS + 1))
+    assert all(ids == expected[(s - 1) * g : s * g] for s, ids in trained.items())
+    digests = [json.loads(Path(replica_final_file(root, r)).read_text()) for r in (0, 1)]
+    assert digests[0]["step"] == digests[1]["step"] == REPLICA_STEPS
+    assert digests[0]["digest"] == digests[1]["digest"] == state_digest(final_state(cfg, REPLICA_STEPS))
