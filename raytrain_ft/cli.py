@@ -145,14 +145,12 @@ def _print_goodput(result: dict, cluster, costs, source: dict[str, str], plot: s
     console = Console(width=160)
     failures = cluster.wall_s / cluster.mtbf_s
     console.print(
-        f"{cluster.gpus:,} GPUs, MTBF {cluster.mtbf_hours:,g} h per GPU: cluster MTBF "
-        f"{cluster.mtbf_s / 3600:.2f} h, {failures:,.0f} failures in {cluster.days:g} days"
+        f"{cluster.gpus:,} GPUs ({cluster.gpus_per_replica} per replica), MTBF {cluster.mtbf_hours:,g} h per GPU: "
+        f"cluster MTBF {cluster.mtbf_s / 3600:.2f} h, {failures:,.0f} failures in {cluster.days:g} days"
         + (f", {cluster.clustered:.0%} of them clustered" if cluster.clustered else "")
     )
     console.print(
-        "costs (s): "
-        + ", ".join(f"{k} {v:g} ({source.get(k, 'default')})" for k, v in asdict(costs).items())
-        + f"; {cluster.gpus_per_replica} GPU(s) per replica"
+        "costs (s): " + ", ".join(f"{k} {v:g} ({source.get(k, 'default')})" for k, v in asdict(costs).items())
     )
     console.print(
         f"Young interval sqrt(2 C M) {result['young_s'] / 60:.1f} min, Daly interval {result['daly_s'] / 60:.1f} min"

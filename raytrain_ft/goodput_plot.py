@@ -2,8 +2,8 @@
 
 Each mode at its interval (`raytrain_ft.planner.plan`: `restart` at its simulated best, `replica`
 at Daly's) from 64 to 100,000 GPUs on a log axis, with the 95 % range of a month shaded, the
-design notes' point (1,000 GPUs, 10,000 h per GPU, a 5-minute checkpoint, the other costs as
-plotted) and two published anchors marked:
+README's reference point (1,000 GPUs, 10,000 h per GPU, a 5-minute checkpoint: docs/fault-tolerance.md;
+the other costs as plotted) and two published anchors marked:
 
 * Llama 3 (Dubey et al., "The Llama 3 Herd of Models", 2024, section 3.3.4): 466 job interruptions
   in 54 days on 16,384 GPUs, more than 90 % effective training time;
@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 from raytrain_ft.planner import MODES, Cluster, Costs, plan
 
 GPU_COUNTS = np.unique(np.geomspace(64, 100_000, 16).round().astype(int))
-DESIGN_GPUS, DESIGN_MTBF_HOURS, DESIGN_CHECKPOINT_S = 1_000, 10_000.0, 300.0  # the design notes' point
+REFERENCE_GPUS, REFERENCE_MTBF_HOURS, REFERENCE_CHECKPOINT_S = 1_000, 10_000.0, 300.0  # the README's example
 # (label, GPUs, effective training time, more-than?)
 ANCHORS = [
     ("Llama 3: > 90 %, 16,384 GPUs", 16_384, 0.90, True),
@@ -37,7 +37,7 @@ INTERVAL = {"restart": "its best interval", "replica": "Daly's interval (checkpo
 def goodput_figure(cluster: Cluster, costs: Costs, repetitions: int = 40, seed: int = 0) -> Figure:
     """Goodput (mean and 95 % range of a month) against `GPU_COUNTS` for `cluster`'s per-GPU MTBF,
     days, replica size and clustered fraction at `costs`; lines have gid `restart` and `replica`,
-    the design notes' point gid `design_point`, the anchors gid `anchor`."""
+    the reference point gid `reference_point`, the anchors gid `anchor`."""
     curves: dict[str, list[tuple[float, float, float]]] = {m: [] for m in MODES}
     for gpus in GPU_COUNTS:
         modes = MODES if gpus // cluster.gpus_per_replica >= 2 else ("restart",)
@@ -50,22 +50,22 @@ def goodput_figure(cluster: Cluster, costs: Costs, repetitions: int = 40, seed: 
         x, y, lo, hi = np.array(rows).T
         ax.plot(x, y, color=COLORS[mode], marker=".", label=f"{mode} mode at {INTERVAL[mode]}", gid=mode)
         ax.fill_between(x, lo, hi, color=COLORS[mode], alpha=0.2, linewidth=0)
-    design = plan(
-        replace(cluster, gpus=DESIGN_GPUS, mtbf_hours=DESIGN_MTBF_HOURS),
-        replace(costs, checkpoint_s=DESIGN_CHECKPOINT_S, save_s=max(costs.save_s, DESIGN_CHECKPOINT_S)),
+    reference = plan(
+        replace(cluster, gpus=REFERENCE_GPUS, mtbf_hours=REFERENCE_MTBF_HOURS),
+        replace(costs, checkpoint_s=REFERENCE_CHECKPOINT_S, save_s=max(costs.save_s, REFERENCE_CHECKPOINT_S)),
         ("restart",),
         repetitions=repetitions,
         seed=seed,
     )["modes"]["restart"]
     ax.scatter(
-        [DESIGN_GPUS],
-        [design["goodput"]],
+        [REFERENCE_GPUS],
+        [reference["goodput"]],
         marker="*",
         s=160,
         color="tab:red",
         zorder=3,
-        gid="design_point",
-        label=f"design notes: 1,000 GPUs, 10,000 h, 5-min checkpoint (restart): {design['goodput']:.3f}",
+        gid="reference_point",
+        label=f"1,000 GPUs, 10,000 h, 5-min checkpoint (restart): {reference['goodput']:.3f}",
     )
     for (label, gpus, value, at_least), (dx, ha) in zip(ANCHORS, ((9, "left"), (-9, "right")), strict=True):
         ax.scatter([gpus], [value], marker="^" if at_least else "D", s=60, color="black", zorder=3, gid="anchor")

@@ -84,7 +84,7 @@ class Costs:
 
 
 # Documented defaults where neither a flag, a run nor the config gives a cost (docs/planning.md):
-# the design notes' 5-minute checkpoint, committed when it ends; a 10-minute group restart at
+# a 5-minute checkpoint (docs/fault-tolerance.md's example), committed when it ends; a 10-minute group restart at
 # scale (scheduling, NCCL initialisation, loading); a 5-minute replacement; a 10-second step.
 DEFAULT_COSTS = Costs(checkpoint_s=300.0, save_s=300.0, restart_s=600.0, rejoin_s=300.0, step_s=10.0)
 
