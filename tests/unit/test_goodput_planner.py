@@ -126,7 +126,7 @@ def test_the_planner_predicts_the_goodput_benchmarks_measured_goodput(mode):
 def test_plan_goodput_json_has_the_issues_keys_and_the_plot_is_written(tmp_path, capsys):
     png = tmp_path / "goodput.png"
     argv = ["plan-goodput", "--gpus", "1000", "--mtbf-hours", "10000", "--checkpoint-seconds", "300"]
-    assert main([*argv, "--restart-seconds", "600", "--repetitions", "20", "--json", "--plot", str(png)]) == 0
+    assert main([*argv, "--restart-seconds", "600", "--repetitions", "5", "--json", "--plot", str(png)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"young_s", "daly_s", "modes"} and set(out["modes"]) == {"restart", "replica"}
     assert out["young_s"] == pytest.approx(4_647.6, abs=0.1)
