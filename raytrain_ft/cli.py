@@ -214,7 +214,11 @@ def _add_plan_goodput(subparsers) -> None:
     )
     p.add_argument("--repetitions", type=int, default=200, help="months simulated (default 200)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print JSON: young_s, daly_s, modes")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON: young_s, daly_s (seconds), modes (lost: fractions of wall time)",
+    )
     p.add_argument("--plot", default=None, metavar="FILE", help="also draw goodput against GPU count into FILE (PNG)")
     p.set_defaults(func=_plan_goodput)
 
