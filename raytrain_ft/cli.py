@@ -1,6 +1,7 @@
 """The `raytrain-ft` command line. One subcommand per task; add one with a `_add_<name>` function below.
 
     raytrain-ft plan-interval --mtbf-hours 10000 --gpus 1000 --checkpoint-seconds 300
+    raytrain-ft plan-goodput --gpus 1000 --mtbf-hours 10000 [--from-run RUN] [--json] [--plot FILE]
     raytrain-ft plan-memory --config configs/gpu-7b.yaml [--strategy ddp --micro-batch-size 2 ...]
     raytrain-ft history RUN_NAME_OR_ID [--tracking-uri URI]   (or MLFLOW_TRACKING_URI)
     raytrain-ft check --config configs/gpu-7b.yaml [key=value ...] [--address RAY_ADDRESS]
@@ -19,6 +20,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 
 from raytrain_ft import interval
 
@@ -77,6 +79,148 @@ def _add_plan_interval(subparsers) -> None:
     p.add_argument("--restart-seconds", type=float, default=0.0, help="time to restart after a failure, seconds")
     p.add_argument("--step-seconds", type=float, default=None, help="seconds per training step: also print steps")
     p.set_defaults(func=_plan_interval)
+
+
+# plan-goodput cost flag (argparse dest) -> `planner.Costs` field
+COST_FLAGS = {
+    "checkpoint_seconds": "checkpoint_s",
+    "save_seconds": "save_s",
+    "restart_seconds": "restart_s",
+    "replica_rejoin_seconds": "rejoin_s",
+    "replica_pause_seconds": "pause_s",
+    "step_seconds": "step_s",
+}
+
+
+def _plan_goodput(args: argparse.Namespace) -> int:
+    """A month's goodput by recovery mode and checkpoint interval (see `raytrain_ft.planner`)."""
+    import json
+
+    from raytrain_ft import planner
+
+    given = {field: getattr(args, dest) for dest, field in COST_FLAGS.items() if getattr(args, dest) is not None}
+    measured: dict[str, float] = {}
+    if args.from_run:
+        measured = _measured_costs(args.from_run, args.tracking_uri)
+    chosen = {**measured, **given}  # flags win over the run's measurements
+    defaults = asdict(planner.DEFAULT_COSTS)
+    defaults["save_s"] = chosen.get("checkpoint_s", defaults["save_s"])  # no save time: it commits when its stall ends
+    costs = planner.Costs(**{**defaults, **chosen})
+    cluster = planner.Cluster(args.gpus, args.mtbf_hours, args.days, args.gpus_per_replica, args.clustered_fraction)
+    modes = planner.MODES if args.mode == "both" else (args.mode,)
+    result = planner.plan(cluster, costs, modes, args.interval_seconds, args.repetitions, args.seed)
+    if args.plot:
+        from raytrain_ft.goodput_plot import goodput_figure
+
+        goodput_figure(cluster, costs, min(args.repetitions, 40), args.seed).savefig(args.plot, dpi=120)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    _print_goodput(result, cluster, costs, {f: "run" for f in measured} | {f: "flag" for f in given}, args.plot)
+    return 0
+
+
+def _measured_costs(run_name: str, tracking_uri: str) -> dict[str, float]:
+    """The costs a finished run measured (`planner.measured_costs`), from its MLflow store."""
+    from raytrain_ft.planner import measured_costs
+    from raytrain_ft.tracking import MlflowRecorder, steps_logged_since
+
+    client = _store(tracking_uri)
+    run = _find_run(client, run_name)
+    keys = ("train/step_time_s", "checkpoint_cost_s", "checkpoint_save_s", "train/checkpoint_stall_s")
+    metrics = {k: [m.value for m in client.get_metric_history(run.info.run_id, k)] for k in keys}
+    events = MlflowRecorder(client.tracking_uri, run.info.run_id).events()
+    found = measured_costs(events, metrics, steps_logged_since(client, run.info.run_id, 0.0))
+    if not found:
+        raise ValueError(f"run {run_name!r} logged no step times, checkpoints or recoveries to plan with")
+    return found
+
+
+def _print_goodput(result: dict, cluster, costs, source: dict[str, str], plot: str | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from raytrain_ft.planner import LOST_PARTS
+
+    console = Console(width=160)
+    failures = cluster.wall_s / cluster.mtbf_s
+    console.print(
+        f"{cluster.gpus:,} GPUs ({cluster.gpus_per_replica} per replica), MTBF {cluster.mtbf_hours:,g} h per GPU: "
+        f"cluster MTBF {cluster.mtbf_s / 3600:.2f} h, {failures:,.0f} failures in {cluster.days:g} days"
+        + (f", {cluster.clustered:.0%} of them clustered" if cluster.clustered else "")
+    )
+    console.print(
+        "costs (s): " + ", ".join(f"{k} {v:g} ({source.get(k, 'default')})" for k, v in asdict(costs).items())
+    )
+    console.print(
+        f"Young interval sqrt(2 C M) {result['young_s'] / 60:.1f} min, Daly interval {result['daly_s'] / 60:.1f} min"
+    )
+    table = Table(title="Goodput (mean over months; 95 % of months in the range), lost time in % of wall time")
+    for column in ("mode", "interval (min)", "goodput", "95 % range", *(p.replace("_", " ") for p in LOST_PARTS)):
+        table.add_column(column, justify="left" if column == "mode" else "right")
+    for mode, p in result["modes"].items():
+        lo, hi = p["goodput_ci95"]
+        table.add_row(
+            mode,
+            f"{p['interval_s'] / 60:.1f}",
+            f"{p['goodput']:.3f}",
+            f"{lo:.3f}-{hi:.3f}",
+            *(f"{100 * p['lost'][part]:.2f}" for part in LOST_PARTS),
+        )
+    console.print(table)
+    if plot:
+        console.print(f"wrote {plot}")
+
+
+def _add_plan_goodput(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan-goodput",
+        help="a month's goodput by recovery mode and checkpoint interval (Monte Carlo, Young 1974, Daly 2006)",
+        description="Simulate many months of a job on --gpus GPUs that fail independently (Poisson, --mtbf-hours "
+        "each): restart mode loses the work since the last committed checkpoint and a restart per failure, replica "
+        "mode the survivors' pause and the failed replica's share until it rejoins; both pay checkpoint stalls. "
+        "Prints each mode's goodput (its 95 %% range over months) at its best interval (restart: searched; replica: "
+        "Daly's) and the lost time by part, with Young's and Daly's intervals. Costs: flags, else those --from-run "
+        "measured, else the defaults in raytrain_ft.planner.DEFAULT_COSTS (docs/planning.md).",
+    )
+    p.add_argument("--gpus", type=int, default=1000, help="GPUs in the job (default 1000)")
+    p.add_argument("--mtbf-hours", type=float, default=10_000.0, help="MTBF of one GPU, hours (default 10000)")
+    p.add_argument("--checkpoint-seconds", type=float, default=None, help="training stall of one save, seconds")
+    p.add_argument(
+        "--save-seconds", type=float, default=None, help="a save's start until committed, seconds (default: the stall)"
+    )
+    p.add_argument("--restart-seconds", type=float, default=None, help="group restart: failure to state restored")
+    p.add_argument(
+        "--replica-rejoin-seconds", type=float, default=None, help="replica: failure to the replacement's first step"
+    )
+    p.add_argument(
+        "--replica-pause-seconds", type=float, default=None, help="replica: the survivors' wait after a failure"
+    )
+    p.add_argument("--step-seconds", type=float, default=None, help="seconds per training step")
+    p.add_argument("--gpus-per-replica", type=int, default=1, help="replica mode: GPUs per replica (default 1)")
+    p.add_argument(
+        "--clustered-fraction", type=float, default=0.0, help="share of failures bringing a second within the recovery"
+    )
+    p.add_argument("--days", type=float, default=30.0, help="wall time simulated, days (default 30)")
+    p.add_argument("--mode", choices=["restart", "replica", "both"], default="both")
+    p.add_argument(
+        "--interval-seconds", type=float, default=None, help="compute between checkpoints (default: the best)"
+    )
+    p.add_argument("--from-run", default=None, metavar="RUN", help="take the costs a finished run measured (MLflow)")
+    p.add_argument(
+        "--tracking-uri",
+        default="",
+        help="MLflow tracking URI of --from-run (default: $MLFLOW_TRACKING_URI, else sqlite:///$HOME/raytrain-ft/mlflow.db)",
+    )
+    p.add_argument("--repetitions", type=int, default=200, help="months simulated (default 200)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON: young_s, daly_s (seconds), modes (lost: fractions of wall time)",
+    )
+    p.add_argument("--plot", default=None, metavar="FILE", help="also draw goodput against GPU count into FILE (PNG)")
+    p.set_defaults(func=_plan_goodput)
 
 
 def _plan_memory(args: argparse.Namespace) -> int:
@@ -252,7 +396,7 @@ def _check(args: argparse.Namespace) -> int:
     from raytrain_ft.config import load_config
     from raytrain_ft.data.position import BatchPlan
     from raytrain_ft.errors import UserError
-    from raytrain_ft.preflight import problems
+    from raytrain_ft.preflight import goodput_projection, problems
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -291,6 +435,8 @@ def _check(args: argparse.Namespace) -> int:
         f"ok: {args.config}: world sizes {lo}-{hi} (lowest batch_balance {balance:.3f}), data, storage and "
         f"tracking checked; cluster resources {resources}"
     )
+    if cfg.scaling.use_gpu:  # the default costs are a GPU cluster's (docs/planning.md)
+        print(goodput_projection(cfg))
     return 0
 
 
@@ -505,6 +651,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_plan_interval(subparsers)
     _add_plan_memory(subparsers)
+    _add_plan_goodput(subparsers)
     _add_history(subparsers)
     _add_check(subparsers)
     _add_extend(subparsers)

@@ -277,3 +277,25 @@ def check_extended(cfg: Config, run_root: str, path: str, saved: RunMeta) -> Non
             f"a wsd run further run `raytrain-ft extend {cfg.run.name} --max-steps {target}` first, else use the "
             "original max_steps or a new run.name"
         )
+
+
+def goodput_projection(cfg: Config) -> str:
+    """One line: the month's goodput `raytrain_ft.planner` projects for `cfg` at its `max` workers
+    (GPUs, or workers on CPU) with `failure.mtbf_hours_per_gpu`, in its `failure.recovery` mode, at
+    its checkpoint interval (`planner.config_interval_s`), with `planner.DEFAULT_COSTS`: the project
+    has no estimate of a run's costs before it ran (their 10 s step is `configs/gpu-7b.yaml`'s on 64
+    A100s at 40 % MFU); a run's measured ones are `raytrain-ft plan-goodput --from-run RUN`'s.
+    `raytrain-ft check` prints it for GPU configs."""
+    from raytrain_ft import planner
+
+    costs, workers = planner.DEFAULT_COSTS, cfg.worker_range[1]
+    cluster = planner.Cluster(workers, cfg.failure.mtbf_hours_per_gpu)
+    mode = cfg.failure.recovery if workers >= 2 else "restart"
+    interval = planner.config_interval_s(cfg.checkpoint.interval, cfg.checkpoint.interval_steps, costs, cluster.mtbf_s)
+    p = planner.plan(cluster, costs, (mode,), interval, repetitions=100)["modes"][mode]
+    lo, hi = p["goodput_ci95"]
+    return (
+        f"goodput: {p['goodput']:.3f} (95 % of months {lo:.3f}-{hi:.3f}) projected for {workers} workers in {mode} "
+        f"mode at a checkpoint every {interval / 60:.0f} min, MTBF {cluster.mtbf_s / 3600:.1f} h, default costs "
+        f"(planner.DEFAULT_COSTS; measured ones: raytrain-ft plan-goodput --from-run RUN)"
+    )
