@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
@@ -177,6 +178,13 @@ def _torch_trainer(
 ) -> TorchTrainer:
     lo, hi = cfg.worker_range
     replicas = hi if cfg.failure.recovery == "replica" else 0  # FailureRecorder: a partial failure is a replacement
+    callbacks: list[Any] = [  # Ray Train v2's callback classes; mypy reads v1's `Callback`
+        CommitAcknowledger(run_root),
+        FailureRecorder(recorder_actor, replicas, watchdog),
+        WatchRanks(watchdog),
+        StartCleaner(recorder_actor, baseline),
+        *([StartFaults(cfg.faults, run_root)] if any(f.kind == "kill_at_launch" for f in cfg.faults) else []),
+    ]
     return TorchTrainer(
         train_func,
         train_loop_config={
@@ -198,15 +206,9 @@ def _torch_trainer(
             storage_path=cfg.run.storage_path,
             # a start that found no resources within failure.group_start_timeout_s is a controller failure
             # to Ray Train (unlimited by default): bounded by the same number of restarts
-            failure_config=FailureConfig(max_failures=max_failures, controller_failure_limit=max_failures),
+            failure_config=FailureConfig(max_failures=max_failures, controller_failure_limit=max_failures),  # type: ignore[call-arg]
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep),
-            callbacks=[
-                CommitAcknowledger(run_root),  # type: ignore[list-item]
-                FailureRecorder(recorder_actor, replicas, watchdog),  # type: ignore[list-item]
-                WatchRanks(watchdog),  # type: ignore[list-item]
-                StartCleaner(recorder_actor, baseline),  # type: ignore[list-item]
-                *([StartFaults(cfg.faults, run_root)] if any(f.kind == "kill_at_launch" for f in cfg.faults) else []),
-            ],
+            callbacks=callbacks,
         ),
     )
 

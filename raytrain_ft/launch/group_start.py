@@ -26,9 +26,9 @@ ends with the controller.
 At every start it then records a `group_start` event: the cluster's free resources, the job's baseline
 (free when the driver started, `baseline_resources`), this run's placement groups still alive and
 what it removed. Resources a removed group held come back in the cluster's view with a delay (the
-raylet first stops the actors placed there: about a second, tens of seconds on a loaded machine); a
-start that needs them waits until the cluster's free resources cover the group (or are back to the
-baseline), at most `RELEASE_WAIT_S`; then it logs one line (what it needs, what is free) and goes on:
+raylet first stops the actors placed there); a start that needs them waits until the cluster's free
+resources cover the group (or are back to the baseline), at most `RELEASE_WAIT_S` and only while the
+cluster has them at all; then it logs one line (what it needs, what is free) and goes on:
 the placement group's wait, `failure.group_start_timeout_s`, bounds the rest.
 """
 
@@ -48,7 +48,7 @@ from raytrain_ft.launch.recorder_actor import RemoteRecorder
 
 log = logging.getLogger(__name__)
 
-RELEASE_WAIT_S = 30.0  # a start waits at most this long for released resources to show as free
+RELEASE_WAIT_S = 5.0  # a start waits at most this long for released resources to show as free
 START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # Ray Train's placement-group wait per start
 
 
@@ -157,11 +157,14 @@ class StartCleaner(ControllerCallback, WorkerGroupCallback):
 
     def wait_for_release(self, needs: dict[str, float]) -> dict[str, float]:
         """The cluster's free resources once they cover `needs` (or are back to the baseline), or after
-        `RELEASE_WAIT_S` if they do not: resources a removed group held show as free with a delay."""
+        `RELEASE_WAIT_S` if they do not: resources a removed group held show as free with a delay. No
+        wait when the cluster does not have `needs` at all (a node is gone: an elastic run tries a
+        smaller size after the placement group's wait)."""
         deadline = time.monotonic() + RELEASE_WAIT_S
         while True:
             free = baseline_resources()
-            if covers(free, needs) or covers(free, short(self.baseline)) or time.monotonic() > deadline:
+            done = covers(free, needs) or covers(free, short(self.baseline)) or time.monotonic() > deadline
+            if done or not covers(ray.cluster_resources(), needs):
                 return free
             time.sleep(0.05)
 

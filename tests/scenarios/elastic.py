@@ -54,15 +54,16 @@ def elastic_config(dataset: str, workdir: str) -> Config:
             "scaling.resize_check_interval_s=5",
             "scaling.cpus_per_worker=0.8",  # one worker per 1-CPU node, 0.2 CPU left for Ray Data
             "failure.max_failures=5",
+            # shrink sooner after a node loss: Ray Train waits this long for the placement group of the largest
+            # size (3) before trying 2 (default 60 s); a group of free resources is ready in under 1 s
+            "failure.group_start_timeout_s=5",
             "data.audit=true",
         ],
     )
 
 
 def main(dataset: str, workdir: str) -> None:
-    # Shrink sooner after a node loss: Ray Train waits this long for the placement group of the
-    # largest size (3) before trying 2 (default 60 s); a group of free resources is ready in under 1 s
-    env = {**WORKER_ENV, "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "5"}
+    env = WORKER_ENV
     os.environ.update(env)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=1)
