@@ -10,6 +10,7 @@ checked by `raytrain_ft.config.load_config` before it is called; here come
 - the dataset's manifest (when `data.path` is reachable) against `train.seq_len`, the batch and
   the model preset;
 - the memory plan on the configured `scaling.gpu_type` (GPU runs);
+- that the waits' bounds can work together (`raytrain_ft.waits.conflicts`);
 - that `run.storage_path` is reachable and writable (a probe file is written and removed);
 - that the tracking store answers (`GET /health` of an `http(s)://` server; a SQLite file's folder
   exists and is writable). A deliberate refusal: the driver opens the run's MLflow run before any
@@ -38,7 +39,7 @@ from raytrain_ft.errors import CheckpointError, ConfigError, CorruptCheckpointEr
 from raytrain_ft.fingerprint import check_fingerprint, fingerprint
 from raytrain_ft.integrity import ChecksummedReader
 from raytrain_ft.loop import check_data_fits
-from raytrain_ft.memory import check_fits
+from raytrain_ft.memory import check_fits, plan_config
 from raytrain_ft.model import model_config
 from raytrain_ft.parallel import mesh_shape, resolve_strategy
 from raytrain_ft.run_folder import (
@@ -52,6 +53,7 @@ from raytrain_ft.run_folder import (
 )
 from raytrain_ft.tracking import resolve_uri
 from raytrain_ft.train_state import KEY_META, RunMeta
+from raytrain_ft.waits import conflicts
 
 PROBE_TIMEOUT_S = 5.0
 
@@ -84,6 +86,7 @@ def problems(cfg: Config, cluster: dict[str, float] | None = None) -> list[UserE
         check(lambda: check_data_fits(cfg, m))
         if cfg.scaling.use_gpu:
             check(lambda: check_fits(cfg, m.vocab_size, m.seq_len))
+    check(lambda: check_bounds(cfg, manifest[0] if manifest else None))
     check(lambda: check_tracking(resolve_uri(cfg.tracking.uri)))
     if cluster is not None:
         check(lambda: check_resources(cfg, cluster))
@@ -92,6 +95,19 @@ def problems(cfg: Config, cluster: dict[str, float] | None = None) -> list[UserE
     if storage_ok and check(lambda: check_run_state(root)) and manifest:
         check(lambda: check_checkpoint_compatible(cfg, manifest[0], root))
     return found
+
+
+def check_bounds(cfg: Config, manifest: Manifest | None) -> None:
+    """Raises ConfigError: the first pair of bounds that cannot work together (`waits.conflicts`;
+    on GPU runs with a readable manifest the slowest checkpoint stage comes from the memory plan:
+    one rank's parameters and optimizer state)."""
+    written = None
+    if cfg.scaling.use_gpu and manifest is not None:
+        plan = plan_config(cfg, manifest.vocab_size, manifest.seq_len)
+        written = plan.params + plan.optimizer
+    found = conflicts(cfg, written)
+    if found:
+        raise ConfigError(found[0])
 
 
 def check_meshes(cfg: Config) -> None:

@@ -25,7 +25,9 @@ class Recorder(ABC):
     """What a run records. Times are unix seconds, steps optimizer steps (the run's count).
 
     Calls return without waiting for the store (except `hang` and `registered`, which wait until
-    recorded); a failure to record is logged, never raised: tracking is not worth a failed run.
+    recorded, at most `waits.tracking_timeout_s` and not while the store is unreachable: records are
+    then held and sent when it answers, `tracking.Outbox`); a failure to record is logged, never
+    raised: tracking is not worth a failed run.
     """
 
     @abstractmethod

@@ -4,8 +4,10 @@ that would land in Ray's temporary working-dir copy."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 import ray
@@ -13,12 +15,14 @@ from mlflow.tracking import MlflowClient
 from ray.train import WorkerGroupError
 from ray.train.v2._internal.execution.controller.state import RestartingState, RunningState
 
-from conftest import REPO, scenario_outcome
+from conftest import REPO, events, make_config, run_root, scenario_outcome, sqlite_store, wait_for
+from local_run import local_run
 from raytrain_ft.cli import main
 from raytrain_ft.errors import ConfigError
 from raytrain_ft.launch.callbacks import FailureRecorder
 from raytrain_ft.launch.recorder_actor import RemoteRecorder, close, start_recorder_actor
-from raytrain_ft.launch.tracking_server import lasting_path
+from raytrain_ft.launch.tracking_server import lasting_path, mlflow_server
+from raytrain_ft.run_folder import read_latest, step_path
 from raytrain_ft.tracking import MlflowRecorder, start_or_resume_run
 
 
@@ -119,3 +123,46 @@ def test_a_tracking_failure_never_stops_a_restart(tmp_path, ray_local, caplog):
     restarting = RestartingState(WorkerGroupError("rank 1 failed", {1: RuntimeError("boom")}))
     FailureRecorder(actor).after_controller_state_update(RunningState(), restarting)
     assert "failure (rank 1: RuntimeError: boom) not recorded in MLflow" in caplog.text
+
+
+def test_a_tracking_server_stopped_mid_run_stalls_no_step_and_loses_no_record(tmp_path, dataset):
+    # A real `mlflow server`, stopped after step 3 and started again on the same port and SQLite
+    # store only once the run's last checkpoint is committed: every step trained while it was away.
+    backend, artifacts = sqlite_store(tmp_path), str(tmp_path / "mlartifacts")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = make_config(
+        tmp_path,
+        dataset,
+        "run.name=outage",
+        "train.max_steps=30",
+        "waits.tracking_timeout_s=2",
+        "faults=[{kind: nan, step: 15, rank: 1}, {kind: slow, step: 4, steps: 6, seconds: 0.5}]",
+    )
+    result: dict = {}
+    with mlflow_server(backend, artifacts, "127.0.0.1", port) as url:
+        cfg.tracking.uri = url
+        trainer = threading.Thread(target=lambda: result.update(run_id=local_run(cfg)), daemon=True)
+        trainer.start()
+        client = MlflowClient(url)
+        wait_for("step 3 in the store", lambda: _last_step(client, cfg) >= 3, trainer)
+    root = run_root(cfg)
+    wait_for("step 30 committed without the server", lambda: read_latest(root) == step_path(root, 30), trainer)
+    with mlflow_server(backend, artifacts, "127.0.0.1", port) as url:
+        trainer.join(timeout=300)
+        assert not trainer.is_alive()
+        client, run_id = MlflowClient(url), result["run_id"]
+        steps = list(range(1, 31))
+        for key in ("train/loss", "train/lr", "train_live/loss"):
+            assert sorted(m.step for m in client.get_metric_history(run_id, key)) == steps, key
+        assert [e["step"] for e in events(url, run_id, "skipped_step")] == [15]  # recorded while it was away
+        (outage,) = events(url, run_id, "tracking_outage")
+        assert outage["held"] > 0  # records waited in the outbox; the steps did not wait on the server
+        assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def _last_step(client: MlflowClient, cfg) -> int:
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment)
+    runs = client.search_runs(experiment.experiment_id, f"attributes.run_name = '{cfg.run.name}'") if experiment else []
+    return int(runs[0].data.metrics.get("last_step", 0)) if runs else 0

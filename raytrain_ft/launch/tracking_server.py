@@ -79,16 +79,17 @@ def _shared_cluster() -> bool:
 
 
 @contextlib.contextmanager
-def mlflow_server(backend_uri: str, artifacts: str, host: str) -> Iterator[str]:
+def mlflow_server(backend_uri: str, artifacts: str, host: str, port: int = 0) -> Iterator[str]:
     """Run `mlflow server` (backend `backend_uri`, artifacts served from the folder `artifacts`) on
-    `host` at a free port; yield its `http://host:port` URI once `/health` answers; stop it after.
+    `host` at `port` (0: a free one); yield its `http://host:port` URI once `/health` answers; stop it after.
 
     Raises:
         UserError: the server exited or did not answer within `SERVER_START_TIMEOUT_S` (its log's path).
     """
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port = s.getsockname()[1]
+    if not port:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
     url = f"http://{host}:{port}"
     log_path = os.path.join(os.path.dirname(artifacts), "mlflow-server.log")
     cmd = [sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port)]
