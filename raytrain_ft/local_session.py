@@ -52,8 +52,8 @@ class LocalSession:
     def flush(self) -> None:
         dist.barrier()
 
-    def preemption_pending(self) -> bool:
-        return False
+    def preemption_notice(self) -> None:
+        return None
 
     def micro_batches(
         self, epoch: int, start: int, stop: int, plan: BatchPlan, rank: int

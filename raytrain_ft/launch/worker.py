@@ -16,7 +16,9 @@ from raytrain_ft.checkpoint import prune
 from raytrain_ft.config import from_dict
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.position import BatchPlan
+from raytrain_ft.preemption import Notice
 from raytrain_ft.launch.datasource import rank_micro_batches
+from raytrain_ft.launch.preemption import DrainWatcher
 from raytrain_ft.launch.recorder_actor import WAIT_TIMEOUT_S, RemoteRecorder
 from raytrain_ft.recovery import RunHistory
 from raytrain_ft.replicas import REPLACEMENT_ENV
@@ -43,6 +45,8 @@ class RaySession:
         self.recorder_actor, self.mlflow_run_id = recorder_actor, mlflow_run_id
         self.manifest = load_manifest(data_path)
         self.last_commit: str | None = None
+        # the node's first worker records its preemption (one worker per replica: each replica its own)
+        self.drain = DrainWatcher(ray.get_runtime_context().get_node_id(), records=ctx.get_local_rank() == 0)
 
     def recorder(self, attempt: bool) -> RemoteRecorder:
         if attempt:
@@ -81,9 +85,8 @@ class RaySession:
                 return
             time.sleep(0.05)
 
-    def preemption_pending(self) -> bool:
-        # A collective in Ray Train (rank 0's view is broadcast): the loop calls it on every rank each step.
-        return ray.train.get_preemption_info() is not None
+    def preemption_notice(self) -> Notice | None:
+        return self.drain.notice()
 
     def micro_batches(
         self, epoch: int, start: int, stop: int, plan: BatchPlan, rank: int
@@ -99,7 +102,7 @@ class ReplicaSession(RaySession):
     0, alone) commits it in `<run folder>/latest_checkpoint` (`run_folder.write_latest`:
     renamed into place whole) and prunes older ones to `checkpoint.num_to_keep` (`checkpoint.prune`);
     a restart of every replica resumes from it (Ray Train's `get_checkpoint()` holds none in this
-    mode). Preemption notices are not read."""
+    mode)."""
 
     def __init__(self, cfg, recorder_actor: ray.actor.ActorHandle, mlflow_run_id: str):
         super().__init__(cfg.data.path, cfg.train.seed, recorder_actor, mlflow_run_id)
@@ -117,9 +120,6 @@ class ReplicaSession(RaySession):
 
     def flush(self) -> None:
         pass  # `commit` is done when it returns
-
-    def preemption_pending(self) -> bool:
-        return False
 
 
 def train_func(args: dict) -> None:
