@@ -400,7 +400,9 @@ class Trainer:
         # them; whether the saver may save after this step (then every member runs the fingerprint);
         # how many members' nodes are drained for preemption
         may_save = self.members.saves and (self.save_due or self.schedule.due(step) or step == self.cfg.train.max_steps)
-        loss_sum, skip, before_save, leaving = self.members.agree(step, weighted, skip, may_save, self.preemption.take())
+        loss_sum, skip, before_save, leaving = self.members.agree(
+            step, weighted, skip, may_save, self.preemption.take()
+        )
         if not self.members.commit():  # a peer failed during the step: its time is lost to that failure
             self.optimizer.zero_grad(set_to_none=True)
             self.ledger.add("replacement", time.time())

@@ -16,10 +16,10 @@ from raytrain_ft.checkpoint import prune
 from raytrain_ft.config import from_dict
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.position import BatchPlan
-from raytrain_ft.preemption import Notice
 from raytrain_ft.launch.datasource import rank_micro_batches
 from raytrain_ft.launch.preemption import DrainWatcher
 from raytrain_ft.launch.recorder_actor import WAIT_TIMEOUT_S, RemoteRecorder
+from raytrain_ft.preemption import Notice
 from raytrain_ft.recovery import RunHistory
 from raytrain_ft.replicas import REPLACEMENT_ENV
 from raytrain_ft.run_folder import read_commit_ack, read_latest, step_of, write_latest, write_worker_record
