@@ -51,7 +51,7 @@ def test_preemption_then_shrink_on_node_loss_then_grow_back(tmp_path, dataset):
     [p] = events(cfg.tracking.uri, run_id, "preemption")
     drained = outcome["drained"]
     assert p["node"] == drained["node"] and p["checkpoint"] is True
-    assert drained["at"] <= p["notice_time"] <= drained["at"] + 5
+    assert drained["at"] <= p["notice_time"] <= drained["returned"] + 2  # polled every second
     assert abs(p["deadline"] - (drained["at"] + drained["deadline_s"])) < 5
     assert 0 < p["notice_to_committed_s"] < p["deadline"] - p["notice_time"]
     preempted_at = p["step_saved"]

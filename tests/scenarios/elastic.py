@@ -99,6 +99,7 @@ def main(dataset: str, workdir: str) -> None:
         capture_output=True,
         timeout=60,
     )
+    drain_returned = time.time()
     logger = MlflowRecorder(cfg.tracking.uri, run_id)
     while not any(e["kind"] == "preemption" for e in logger.events()):
         time.sleep(0.5)
@@ -116,7 +117,12 @@ def main(dataset: str, workdir: str) -> None:
                 "finished": result.get("run_id") == run_id,
                 "world_sizes_before_add": sizes_before_add,
                 "world_sizes": world_sizes(cfg.tracking.uri, run_id),
-                "drained": {"node": worker_node.node_id, "at": drained_at, "deadline_s": 120},
+                "drained": {
+                    "node": worker_node.node_id,
+                    "at": drained_at,
+                    "returned": drain_returned,
+                    "deadline_s": 120,
+                },
             }
         )
     )

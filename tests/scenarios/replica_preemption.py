@@ -5,10 +5,10 @@ and recorder, 0-CPU actors) and a worker node, 1 CPU each, one replica of 1 CPU 
 Run by tests/test_preemption.py in a subprocess (a Cluster needs a process without another Ray
 instance). Usage: python replica_preemption.py DATASET WORKDIR. Once step `DRAIN_AFTER` is committed,
 the worker node is drained with reason preemption and a deadline of `DEADLINE_S`; once its
-`preemption` event is recorded the node goes (as the cloud takes it) and a new 1-CPU node joins
-(capacity returns). Prints one JSON line: the run id, whether `run` returned it, the drained node
-and the replica on it, the drain's time and deadline, both replicas' worker records before the
-drain and at the end.
+`preemption` event is recorded a new 1-CPU node joins (capacity returns) and the drained node goes
+(as the cloud takes it). Prints one JSON line: the run id, whether `run` returned it, the drained
+node and the replica on it, the drain's time (the `ray drain-node` call and its return) and
+deadline, both replicas' worker records before the drain and at the end.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from raytrain_ft.run_folder import read_latest, step_of, worker_records
 from raytrain_ft.tracking import MlflowRecorder
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STEPS = 30
+STEPS = 90
 DRAIN_AFTER = 5
 DEADLINE_S = 60
 
@@ -46,7 +46,8 @@ def replica_preemption_config(dataset: str, workdir: str) -> Config:
             "run.name=replica-preemption",
             "failure.recovery=replica",
             f"train.max_steps={STEPS}",
-            # steps of a steady 0.5 s: the survivor still trains when the replacement arrives
+            # steps of a steady 0.5 s: the survivor still trains when the replacement arrives (it started
+            # 67 s after the node went on the loaded 2-core machine: 80 steps alone are 80 s or more)
             f"faults=[{{kind: slow, step: 1, steps: {STEPS}, seconds: 0.5, rank: -1}}]",
             "checkpoint.interval_steps=5",
             "scaling.cpus_per_worker=1",  # one replica per 1-CPU node
@@ -102,11 +103,13 @@ def main(dataset: str, workdir: str) -> None:
         capture_output=True,
         timeout=60,
     )
+    drain_returned = time.time()
     recorder = MlflowRecorder(cfg.tracking.uri, run_id)
     wait("the preemption event", lambda: any(e["kind"] == "preemption" for e in recorder.events()), trainer)
-    # the cloud takes the node; capacity returns
-    cluster.remove_node(worker_node, allow_graceful=False)
+    # a node with room for a replica joins (its start is not on the replacement's path), then the cloud
+    # takes the drained one
     cluster.add_node(num_cpus=1)
+    cluster.remove_node(worker_node, allow_graceful=False)
     trainer.join(timeout=600)
     print(
         json.dumps(
@@ -116,6 +119,7 @@ def main(dataset: str, workdir: str) -> None:
                 "node": node,
                 "replica": replica,
                 "drained_at": drained_at,
+                "drain_returned": drain_returned,
                 "deadline_s": DEADLINE_S,
                 "before": before,
                 "after": worker_records(root, 2, 0.0),
