@@ -9,7 +9,8 @@ over its `grad_accum_steps` passes -> gradient reduction across replicas -> clip
 -> spike guard, one decision for every member -> commit or train the step again -> wait for the
 checkpoint snapshot -> optimizer step or skip -> LR scheduler -> advance the data
 position -> held-out validation at its interval (`validation`) -> rank check and replica fingerprint
-at their intervals, across the step's members -> roll back after persistent spikes, else save. Who trains a step, the
+at their intervals, across the step's members -> roll back after persistent spikes, else save (after a
+drain notice the members agreed on in the step: `raytrain_ft.preemption`). Who trains a step, the
 split, the gradient reduction across replicas, the agreed skip and whether the step counts are the
 step members' (`replicas`: the whole group under restart recovery, a torchft quorum of replicas under replica
 recovery); the loop calls them the same way in both modes.
