@@ -347,6 +347,7 @@ def _history(args: argparse.Namespace) -> int:
     if any(e["kind"] == "failure" and e.get("replaced") for e in events):  # replica recovery replaced some
         done = steps_logged_since(client, run.info.run_id, 0.0)
         tables.append(("Replica replacements", recovery.replacement_rows(events, done)))
+    tables.append(("Preemptions", recovery.preemption_rows(events)))
     for title, rows in [*tables, ("Guard events", recovery.guard_rows(events))]:
         table = Table(title=title)
         keys = list(rows[0]) if rows else ["(none)"]

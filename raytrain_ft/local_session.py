@@ -64,8 +64,8 @@ class LocalSession:
     def beat(self, step: int) -> None:
         pass  # no progress watchdog without Ray: a stalled local run waits on its collectives' timeout
 
-    def preemption_pending(self) -> bool:
-        return False
+    def preemption_notice(self) -> None:
+        return None
 
     def micro_batches(
         self, epoch: int, start: int, stop: int, plan: BatchPlan, rank: int

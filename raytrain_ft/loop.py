@@ -9,7 +9,8 @@ over its `grad_accum_steps` passes -> gradient reduction across replicas -> clip
 -> spike guard, one decision for every member -> commit or train the step again -> wait for the
 checkpoint snapshot -> optimizer step or skip -> LR scheduler -> advance the data
 position -> held-out validation at its interval (`validation`) -> rank check and replica fingerprint
-at their intervals, across the step's members -> roll back after persistent spikes, else save. Who trains a step, the
+at their intervals, across the step's members -> roll back after persistent spikes, else save (after a
+drain notice the members agreed on in the step: `raytrain_ft.preemption`). Who trains a step, the
 split, the gradient reduction across replicas, the agreed skip and whether the step counts are the
 step members' (`replicas`: the whole group under restart recovery, a torchft quorum of replicas under replica
 recovery); the loop calls them the same way in both modes.
@@ -52,6 +53,7 @@ from raytrain_ft.hooks import StepHooks, StepResult
 from raytrain_ft.interval import CheckpointSchedule, planning_mtbf_s
 from raytrain_ft.model import lm_loss
 from raytrain_ft.parallel import Parallel, build
+from raytrain_ft.preemption import Preemption, wait_out
 from raytrain_ft.recorder import Gated, NullRecorder
 from raytrain_ft.recovery import RunHistory
 from raytrain_ft.replicas import Share, first_share, role, step_members
@@ -266,7 +268,8 @@ class Trainer:
         self.beat = StepBeat(session.beat)  # every rank: the driver's watchdog stops a rank that stalls
         # auto: planned in `begin` from the run's failures
         self.schedule = CheckpointSchedule(cfg.checkpoint.interval_steps)
-        self.save_due = self.preemption_saved = self.done = False
+        self.save_due = self.done = False
+        self.preemption = Preemption(session, session.rank)
         metrics = StepMetrics(
             cfg,
             self.plan,
@@ -395,9 +398,12 @@ class Trainer:
         grad_norm = self.par.clip_grad_norm_(self.cfg.train.grad_clip)
         skip, median = self.guard.judge(grad_norm)
         # SUM of the members' losses (the global mean loss x members); one skip decision for all of
-        # them; whether the saver may save after this step (then every member runs the fingerprint)
+        # them; whether the saver may save after this step (then every member runs the fingerprint);
+        # how many members' nodes are drained for preemption
         may_save = self.members.saves and (self.save_due or self.schedule.due(step) or step == self.cfg.train.max_steps)
-        loss_sum, skip, before_save = self.members.agree(step, weighted, skip, may_save)
+        loss_sum, skip, before_save, leaving = self.members.agree(
+            step, weighted, skip, may_save, self.preemption.take()
+        )
         if not self.members.commit():  # a peer failed during the step: its time is lost to that failure
             self.optimizer.zero_grad(set_to_none=True)
             self.ledger.add("replacement", time.time())
@@ -431,11 +437,12 @@ class Trainer:
             self.rollback(step)
         else:
             self.checkpointer.poll()
-            self.maybe_save(step)
+            self.maybe_save(step, leaving)
         self.hooks.after_step(step)
 
-    def maybe_save(self, step: int) -> None:
-        """Periodic, final and just-in-time (preemption) saves; none while a skip streak is on."""
+    def maybe_save(self, step: int, leaving: int) -> None:
+        """Periodic, final and just-in-time (preemption: `leaving` members hold a drain notice)
+        saves; none while a skip streak is on."""
         # auto: never start a save while the previous one is still writing (writes must not queue)
         self.save_due |= self.schedule.due(step) and not (self.schedule.auto and self.checkpointer.pending)
         final = step == self.cfg.train.max_steps
@@ -445,18 +452,24 @@ class Trainer:
                 self.faults.after_save_started(step)
             self.schedule.saved(step)  # after a failed replica check too: the next try is an interval later
             self.save_due = False
-        if not self.preemption_saved and self.session.preemption_pending():
-            self.save_before_preemption(step)
-            self.preemption_saved = True
+        if leaving:
+            self.save_before_preemption(step, leaving)
 
-    def save_before_preemption(self, step: int) -> None:
-        """Just-in-time checkpoint when a node is about to be preempted: save (unless this step's
-        periodic save is in flight) and wait until it is registered, so the restart loses nothing."""
-        if self.checkpointer.pending is None or self.checkpointer.pending[0] != step:
+    def save_before_preemption(self, step: int, leaving: int) -> None:
+        """`leaving` members' nodes are drained (`raytrain_ft.preemption`): the members that keep the
+        step durable save it (unless this step's periodic save is in flight) and wait until it is
+        registered; a doomed rank records the notice and, as a replica, leaves and waits for its node's end."""
+        saves = self.members.saves_before_leaving(leaving)
+        if saves and (self.checkpointer.pending is None or self.checkpointer.pending[0] != step):
             self.checkpointer.save(step, self.state)
             self.schedule.saved(step)
-        self.settle()
-        self.step_recorder.event("preemption_checkpoint", step=step)
+        if saves or self.preemption.held:
+            self.settle()
+        notice = self.preemption.answer(step, saved=saves)
+        if notice and self.members.leave():
+            # no beat while it waits: the deadline plus `PAST_DEADLINE_S` stays under the driver's
+            # watchdog floor (`watchdog.MIN_STEP_TIMEOUT_S`) for the clouds' 30-120 s notices
+            wait_out(notice)
 
     def settle(self) -> None:
         """Finish the in-flight save and wait until the runtime registered every commit."""

@@ -18,7 +18,8 @@ Ray Train replaces only those (the `failure` event lists them under `replaced`) 
 keep training. `replacement_rows` makes one row per replaced replica from that event and the
 replica events (`raytrain_ft.replicas`): `replica_start` (the replacement restored, before it
 joined a quorum), `replica_joined` (its first committed step), and the steps the survivors
-completed (the `last_step` metric's history).
+completed (the `last_step` metric's history). `preemption_rows`: one row per node drained for
+preemption (`raytrain_ft.preemption`).
 """
 
 from __future__ import annotations
@@ -204,6 +205,25 @@ def replacement_rows(events: list[dict], steps_done: list[tuple[int, float]]) ->
                 }
             )
     return rows
+
+
+def preemption_rows(events: list[dict]) -> list[dict]:
+    """One row per `preemption` event (`raytrain_ft.preemption`: a node drained for preemption):
+    node, rank, notice time, seconds from the notice to the deadline, the step committed after the
+    notice, whether a checkpoint of it was written, seconds from the notice to that commit."""
+    return [
+        {
+            "notice_time": _iso(e["notice_time"]),
+            "node": e["node"],
+            "rank": e["rank"],
+            "window_s": None if e["deadline"] is None else round(e["deadline"] - e["notice_time"], 1),
+            "step_saved": e["step_saved"],
+            "checkpoint": e["checkpoint"],
+            "notice_to_committed_s": round(e["notice_to_committed_s"], 2),
+        }
+        for e in events
+        if e["kind"] == "preemption"
+    ]
 
 
 def guard_rows(events: list[dict]) -> list[dict]:

@@ -2,8 +2,9 @@
 
 The loop asks its `StepMembers` five things per optimizer step, whatever the recovery mode:
 `begin()` (this step's `Share`: the batch split and this rank's place in it), `reduce(par)` after
-the forward/backward passes, `agree(step, loss, skip, may_save)` (the members' summed loss, one
-spike-guard decision for all of them, and whether the fingerprint runs before a save), `commit()`
+the forward/backward passes, `agree(step, loss, skip, may_save, doomed)` (an `Agreement`: the
+members' summed loss, one spike-guard decision for all of them, whether the fingerprint runs before a
+save, and how many members' nodes are being drained for preemption: `raytrain_ft.preemption`), `commit()`
 before the optimizer step, and `gather(row)` for the data audit and the guards' cross-member checks
 (`guards.RankChecks`: the rank-spread check and the replica fingerprint compare the rows of every
 member of the step); `saves` and `records` say whether this rank writes the step's checkpoint and
@@ -75,7 +76,7 @@ import pickle
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import fsspec
 import torch
@@ -104,6 +105,16 @@ REPLACEMENT_ENV = "RAYTRAIN_FT_REPLACEMENT"
 # replica: at 5 s a replacement Ray Train started from an idle worker process had joined by then
 # (a test run where the survivor never trained alone); 2 s is well under a replacement's start.
 LIGHTHOUSE = {"min_replicas": 1, "join_timeout_ms": int(LIGHTHOUSE_JOIN_S * 1000), "heartbeat_timeout_ms": 2_000}
+
+
+class Agreement(NamedTuple):
+    """What a step's members agreed on (`agree`): the SUM of their losses, the skip decision, whether
+    the fingerprint runs before a save (replicas), how many members hold a drain notice (`leaving`)."""
+
+    loss_sum: float
+    skip: bool
+    before_save: bool
+    leaving: int
 
 
 @dataclass(frozen=True)
@@ -154,18 +165,28 @@ class WholeGroup:
     def reduce(self, par: Parallel) -> None:
         """The strategy reduced the gradients in backward."""
 
-    def agree(self, step: int, loss: float, skip: bool, may_save: bool) -> tuple[float, bool, bool]:
-        """(every rank's `loss` summed, the skip decision, False) over the group (a collective). The
-        fingerprint before a save needs no signal here: every rank reaches each save (`saves_together`).
+    def agree(self, step: int, loss: float, skip: bool, may_save: bool, doomed: bool) -> Agreement:
+        """(every rank's `loss` summed, the skip decision, False, the ranks whose node is drained)
+        over the group (a collective). The fingerprint before a save needs no signal here: every rank
+        reaches each save (`saves_together`).
 
         Raises:
             SkipDisagreementError: the ranks' guards decided differently (their grad norms differ).
         """
-        totals = torch.tensor([loss, float(skip)], dtype=torch.float64)
+        totals = torch.tensor([loss, float(skip), float(doomed)], dtype=torch.float64)
         dist.all_reduce(totals, group=self.group)
         if totals[1].item() not in (0, dist.get_world_size(self.group)):
             raise SkipDisagreementError(f"step {step}: ranks disagree on skipping (grad norms differ)")
-        return totals[0].item(), skip, False
+        return Agreement(totals[0].item(), skip, False, int(totals[2].item()))
+
+    def saves_before_leaving(self, leaving: int) -> bool:
+        """Every rank saves the step after a drain notice: Ray Train restarts the whole group at the
+        deadline, from the last registered checkpoint."""
+        return True
+
+    def leave(self) -> bool:
+        """False: a doomed rank trains on with the group until Ray Train restarts it."""
+        return False
 
     def commit(self) -> bool:
         return True
@@ -287,14 +308,15 @@ class Replicas:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def agree(self, step: int, loss: float, skip: bool, may_save: bool) -> tuple[float, bool, bool]:
+    def agree(self, step: int, loss: float, skip: bool, may_save: bool, doomed: bool) -> Agreement:
         """(the participants' `loss` summed, whether any participant's guard skips the step, whether
-        the step's saver may save after it): one all-reduce, before the commit (a failed one makes
-        `commit()` False). `may_save`: this replica saves (`saves`) and a save may follow the step;
-        when the saver's is True every participant runs the fingerprint after the optimizer step
-        (`RankChecks.monitor`), so the saver's weights are compared with its peers' just before it
-        saves them (`RankChecks.fit_to_save`)."""
-        totals = torch.tensor([loss, float(skip), float(may_save)], dtype=torch.float64)
+        the step's saver may save after it, how many participants' nodes are drained): one
+        all-reduce, before the commit (a failed one makes `commit()` False). `may_save`: this
+        replica saves (`saves`) and a save may follow the step; when the saver's is True every
+        participant runs the fingerprint after the optimizer step (`RankChecks.monitor`), so the
+        saver's weights are compared with its peers' just before it saves them
+        (`RankChecks.fit_to_save`). `doomed`: this replica's node is drained (`raytrain_ft.preemption`)."""
+        totals = torch.tensor([loss, float(skip), float(may_save), float(doomed)], dtype=torch.float64)
         self.manager.allreduce(totals, reduce_op=dist.ReduceOp.SUM).wait()
         votes = totals[1].item()
         if votes != float(skip) * self.manager.num_participants() and votes > 0:
@@ -304,7 +326,20 @@ class Replicas:
                 step,
                 votes,
             )
-        return totals[0].item(), votes > 0, totals[2].item() > 0
+        return Agreement(totals[0].item(), votes > 0, totals[2].item() > 0, int(totals[3].item()))
+
+    def saves_before_leaving(self, leaving: int) -> bool:
+        """Whether this replica writes a checkpoint of the step after a drain notice: the step's saver,
+        when every participant is leaving (else the survivors hold the step in memory)."""
+        assert self.share is not None, "after begin()"
+        return self.saves and leaving >= self.share.plan.world_size
+
+    def leave(self) -> bool:
+        """A doomed replica leaves the quorum at this step boundary (it stops its Manager: the
+        lighthouse drops it after its heartbeat timeout and the others' next quorum forms without
+        it). True: the caller then waits for its node's end (`preemption.wait_out`)."""
+        self.manager.shutdown(wait=False)
+        return True
 
     def commit(self) -> bool:
         """Whether the step counts (`Manager.should_commit`); False: train it again (a

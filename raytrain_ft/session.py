@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from raytrain_ft.data.position import BatchPlan
+from raytrain_ft.preemption import Notice
 from raytrain_ft.recorder import Recorder
 from raytrain_ft.recovery import RunHistory
 
@@ -48,8 +49,9 @@ class Session(Protocol):
         """This rank completed `step` (called after every step, on every rank): the runtime's progress
         watchdog (`raytrain_ft.watchdog`) stops a rank that stops beating. Returns at once."""
 
-    def preemption_pending(self) -> bool:
-        """True once a node of this run is about to be preempted (same answer on every rank)."""
+    def preemption_notice(self) -> Notice | None:
+        """The drain notice of this worker's node, None while it has none; returns at once (not a
+        collective: `raytrain_ft.preemption` says how the step's members agree on it)."""
 
     def micro_batches(
         self, epoch: int, start: int, stop: int, plan: BatchPlan, rank: int

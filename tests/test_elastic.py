@@ -15,6 +15,7 @@ from conftest import (
     COMMITTED,
     REPO,
     assert_resumed,
+    events,
     expected_step_ids,
     metric_by_step,
     scenario_outcome,
@@ -43,11 +44,18 @@ def test_preemption_then_shrink_on_node_loss_then_grow_back(tmp_path, dataset):
     # the group shrank to 2 before the node came back, then grew to 3 (each attempt logs its world size once)
     assert outcome["world_sizes_before_add"] == [3, 2]
     assert outcome["world_sizes"] == [3, 2, 3]
-    # the preemption notice made a just-in-time checkpoint and the shrunk group resumed from it
-    # (nothing lost); the grown-back group resumed from a later commit, not from 0
-    [preempted_at] = outcome["preemption_steps"]
-    assert preempted_at > 10
+    # the preemption notice made every rank save the next step and wait for its registration (one
+    # event, by the drained node's worker); the shrunk group resumed from it (nothing lost); the
+    # grown-back group resumed from a later commit, not from 0
     cfg, run_id = elastic_config(dataset, str(tmp_path)), outcome["run_id"]
+    [p] = events(cfg.tracking.uri, run_id, "preemption")
+    drained = outcome["drained"]
+    assert p["node"] == drained["node"] and p["checkpoint"] is True
+    assert drained["at"] <= p["notice_time"] <= drained["returned"] + 2  # polled every second
+    assert abs(p["deadline"] - (drained["at"] + drained["deadline_s"])) < 5
+    assert 0 < p["notice_to_committed_s"] < p["deadline"] - p["notice_time"]
+    preempted_at = p["step_saved"]
+    assert preempted_at > 10
     attempts = assert_resumed(cfg.tracking.uri, run_id, [0, preempted_at, COMMITTED])
     assert [a["world_size"] for a in attempts] == [3, 2, 3]  # start, node loss, node back
     assert attempts[-1]["resumed_from"] >= preempted_at

@@ -16,7 +16,9 @@ from raytrain_ft.config import from_dict
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.launch.datasource import rank_micro_batches
+from raytrain_ft.launch.preemption import DrainWatcher
 from raytrain_ft.launch.recorder_actor import WAIT_TIMEOUT_S, RemoteRecorder
+from raytrain_ft.preemption import Notice
 from raytrain_ft.recovery import RunHistory
 from raytrain_ft.replicas import REPLACEMENT_ENV
 from raytrain_ft.run_folder import read_commit_ack, read_latest, step_of, write_latest, write_worker_record
@@ -51,6 +53,8 @@ class RaySession:
         self.manifest = load_manifest(data_path)
         self.last_commit: str | None = None
         self.commit_timeout_s = commit_timeout_s
+        # the node's first worker records its preemption (one worker per replica: each replica its own)
+        self.drain = DrainWatcher(ray.get_runtime_context().get_node_id(), records=ctx.get_local_rank() == 0)
 
     def recorder(self, attempt: bool) -> RemoteRecorder:
         if attempt:
@@ -94,9 +98,8 @@ class RaySession:
     def beat(self, step: int) -> None:
         self.watchdog.beat.remote(self.rank, step)  # `launch.progress_watchdog.ProgressWatchdog`; not waited for
 
-    def preemption_pending(self) -> bool:
-        # A collective in Ray Train (rank 0's view is broadcast): the loop calls it on every rank each step.
-        return ray.train.get_preemption_info() is not None
+    def preemption_notice(self) -> Notice | None:
+        return self.drain.notice()
 
     def micro_batches(
         self, epoch: int, start: int, stop: int, plan: BatchPlan, rank: int
@@ -112,7 +115,7 @@ class ReplicaSession(RaySession):
     0, alone) commits it in `<run folder>/latest_checkpoint` (`run_folder.write_latest`:
     renamed into place whole) and prunes older ones to `checkpoint.num_to_keep` (`checkpoint.prune`);
     a restart of every replica resumes from it (Ray Train's `get_checkpoint()` holds none in this
-    mode). Preemption notices are not read."""
+    mode)."""
 
     def __init__(self, cfg, recorder_actor: ray.actor.ActorHandle, mlflow_run_id: str, watchdog: ray.actor.ActorHandle):
         super().__init__(
@@ -132,9 +135,6 @@ class ReplicaSession(RaySession):
 
     def flush(self) -> None:
         pass  # `commit` is done when it returns
-
-    def preemption_pending(self) -> bool:
-        return False
 
 
 def train_func(args: dict) -> None:

@@ -4,7 +4,7 @@ one worker per node, at a world size (3) that divides neither the global batch o
 Run by tests/test_elastic.py in a subprocess (a Cluster needs a process without another Ray
 instance). Usage: python elastic.py DATASET WORKDIR. Prints one JSON line with what happened: the run
 id, whether `run` returned it, the `world_size` metric's values (each attempt logs it once, oldest first)
-just before the node was added back and at the end, and the steps of the preemption checkpoints.
+just before the node was added back and at the end, and the drained node, when and with what deadline.
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ def main(dataset: str, workdir: str) -> None:
         time.sleep(0.5)
     run_id = Path(run_root, "mlflow_run_id").read_text().strip()
     # A spot reclaim notice for the worker node (what the autoscaler sends on preemption) ...
+    drained_at = time.time()
     subprocess.run(
         [
             os.path.join(os.path.dirname(sys.executable), "ray"),
@@ -99,8 +100,9 @@ def main(dataset: str, workdir: str) -> None:
         capture_output=True,
         timeout=60,
     )
+    drain_returned = time.time()
     logger = MlflowRecorder(cfg.tracking.uri, run_id)
-    while not any(e["kind"] == "preemption_checkpoint" for e in logger.events()):
+    while not any(e["kind"] == "preemption" for e in logger.events()):
         time.sleep(0.5)
     # ... then the node goes.
     cluster.remove_node(worker_node, allow_graceful=False)
@@ -116,7 +118,12 @@ def main(dataset: str, workdir: str) -> None:
                 "finished": result.get("run_id") == run_id,
                 "world_sizes_before_add": sizes_before_add,
                 "world_sizes": world_sizes(cfg.tracking.uri, run_id),
-                "preemption_steps": [e["step"] for e in logger.events() if e["kind"] == "preemption_checkpoint"],
+                "drained": {
+                    "node": worker_node.node_id,
+                    "at": drained_at,
+                    "returned": drain_returned,
+                    "deadline_s": 120,
+                },
             }
         )
     )

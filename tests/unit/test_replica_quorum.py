@@ -51,7 +51,7 @@ def lighthouse(monkeypatch):
     (the Manager reads the store and lighthouse addresses from the environment when built)."""
     from torchft.coordination import LighthouseServer
 
-    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=1000)
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", server.address())
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     stores = []
@@ -85,7 +85,7 @@ def test_one_replica_trains_the_whole_batch_and_commits(lighthouse, tmp_path):
     par = Parallel("ddp", model, model, 1, 1, 0, False)
     replicas.reduce(par)
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
-    assert replicas.agree(6, 2.5, False, False) == (2.5, False, False)  # the sum over one participant
+    assert replicas.agree(6, 2.5, False, False, False) == (2.5, False, False, 0)  # the sum over one participant
     ids = torch.tensor([4, 9, -1])
     assert torch.equal(replicas.gather(ids), ids[None])
     assert replicas.commit()
@@ -127,12 +127,14 @@ class Replica:
         save_at: tuple = (),
         fingerprint_every: int = 1000,
         rank_check_every: int = 1000,
+        doomed_at: tuple = (),
     ):
         torch.manual_seed(0)  # every replica initialises the same weights
         self.model = torch.nn.Linear(3, 1)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.1)
         self.progress, self.position, self.data = Progress(), DataPosition(), data
-        self.guard, self.skip_at, self.save_at = SpikeGuard(), skip_at, save_at
+        self.guard, self.skip_at, self.save_at, self.doomed_at = SpikeGuard(), skip_at, save_at, doomed_at
+        self.leaving: list[int] = []  # each step's count of members whose node is drained (`agree`)
         self.saved: list[int] = []
         self.state = TrainState(0)
         self.state.add(KEY_MODEL, ModelState(self.model))
@@ -179,7 +181,9 @@ class Replica:
         self.replicas.reduce(self.par)
         step = self.progress.step + 1
         may_save = self.replicas.saves and step in self.save_at
-        _, skip, before_save = self.replicas.agree(step, 0.0, step in self.skip_at, may_save)
+        doomed = step in self.doomed_at
+        _, skip, before_save, leaving = self.replicas.agree(step, 0.0, step in self.skip_at, may_save, doomed)
+        self.leaving.append(leaving)
         if self.replicas.commit():
             self.guard.record(1.0, skip)
             if skip:
@@ -243,7 +247,7 @@ def attempt(r: Replica, step: int) -> bool:
     g = r.replicas.share.plan.global_batch_size
     (r.model(r.data[r.position.consumed : r.position.consumed + g]).sum()).backward()
     r.replicas.reduce(r.par)
-    r.replicas.agree(step, 0.0, False, False)
+    r.replicas.agree(step, 0.0, False, False, False)
     committed = r.replicas.commit()
     r.optimizer.zero_grad(set_to_none=True)
     return committed
@@ -300,6 +304,43 @@ def test_a_skip_judged_by_one_replica_is_every_replicas_skip(lighthouse, process
     for key in (KEY_MODEL, KEY_OPTIM):
         ours, theirs = dict(flat(a.state, key)), dict(flat(b.state, key))
         assert ours and all(torch.equal(ours[k], theirs[k]) for k in ours), key
+    for r in (a, b):
+        r.replicas.manager.shutdown(wait=False)
+
+
+def test_a_replica_whose_node_is_drained_leaves_after_a_committed_step_and_its_peer_loses_no_step(
+    lighthouse, process_group
+):
+    """b's node is drained before step 3 (`doomed`): both replicas agree on it in step 3's
+    all-reduce, step 3 commits on both, b leaves the quorum at that boundary without a checkpoint
+    (a survives and holds the step), and a trains steps 4-6 alone over the whole global batch: no
+    step fails to commit, the data position counts every step once."""
+    cfg = load_config(None, ["failure.recovery=replica", "train.global_batch_size=4", "train.micro_batch_size=1"])
+    data = torch.randn(40, 3)
+    a = Replica(cfg, 0, data)
+    lighthouse()
+    b = Replica(cfg, 1, data, doomed_at=(3,))
+    assert train_together((a, b), until=3) == [None, None]
+    assert a.leaving == b.leaving == [0, 0, 1] and a.participants == b.participants == [2, 2, 2]
+    assert not a.replicas.saves_before_leaving(1)  # a survivor holds the step: no checkpoint needed
+    assert b.replicas.leave()
+    for _ in range(3):
+        a.step()
+    assert a.participants == [2, 2, 2, 1, 1, 1] and a.progress.step == 6
+    assert a.position == DataPosition(0, 24)
+    assert not [e for e in a.recorder.events if e["kind"] == "step_not_committed"]
+    a.replicas.manager.shutdown(wait=False)
+
+
+def test_the_saver_checkpoints_before_leaving_only_when_every_replica_is_drained(lighthouse, process_group):
+    cfg = load_config(None, ["failure.recovery=replica", "train.global_batch_size=4", "train.micro_batch_size=1"])
+    a = Replica(cfg, 0, torch.randn(40, 3))
+    lighthouse()
+    b = Replica(cfg, 1, a.data)
+    assert train_together((a, b), until=1) == [None, None]
+    saver, other = (a, b) if a.replicas.saves else (b, a)
+    assert saver.replicas.saves_before_leaving(2) and not saver.replicas.saves_before_leaving(1)
+    assert not other.replicas.saves_before_leaving(2)
     for r in (a, b):
         r.replicas.manager.shutdown(wait=False)
 
