@@ -7,6 +7,7 @@ import os
 import time
 from collections.abc import Iterator
 
+import ray
 import ray.train
 import torch
 from ray.train import Checkpoint, CheckpointUploadMode
@@ -32,6 +33,7 @@ class RaySession:
     def __init__(self, data_path: str, seed: int, recorder_actor: ray.actor.ActorHandle, mlflow_run_id: str):
         ctx = ray.train.get_context()
         self.rank = ctx.get_world_rank()
+        self.node = ray.get_runtime_context().get_node_id()
         self.replacement = os.environ.get(REPLACEMENT_ENV) == "1"  # set by `driver.ReplicaBackend`
         storage = ctx.get_storage()
         self.filesystem = storage.storage_filesystem  # pyarrow's: Ray compares it when registering a checkpoint

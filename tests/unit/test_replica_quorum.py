@@ -85,7 +85,7 @@ def test_one_replica_trains_the_whole_batch_and_commits(lighthouse, tmp_path):
     par = Parallel("ddp", model, model, 1, 1, 0, False)
     replicas.reduce(par)
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
-    assert replicas.agree(6, 2.5, False, False) == (2.5, False, False)  # the sum over one participant
+    assert replicas.agree(6, 2.5, False, False, 2.0) == (2.5, False, False, (0.25,))  # sums over one; 2 s / 8 sequences
     ids = torch.tensor([4, 9, -1])
     assert torch.equal(replicas.gather(ids), ids[None])
     assert replicas.commit()
@@ -179,7 +179,7 @@ class Replica:
         self.replicas.reduce(self.par)
         step = self.progress.step + 1
         may_save = self.replicas.saves and step in self.save_at
-        _, skip, before_save = self.replicas.agree(step, 0.0, step in self.skip_at, may_save)
+        _, skip, before_save, _ = self.replicas.agree(step, 0.0, step in self.skip_at, may_save, 0.0)
         if self.replicas.commit():
             self.guard.record(1.0, skip)
             if skip:
@@ -243,7 +243,7 @@ def attempt(r: Replica, step: int) -> bool:
     g = r.replicas.share.plan.global_batch_size
     (r.model(r.data[r.position.consumed : r.position.consumed + g]).sum()).backward()
     r.replicas.reduce(r.par)
-    r.replicas.agree(step, 0.0, False, False)
+    r.replicas.agree(step, 0.0, False, False, 0.0)
     committed = r.replicas.commit()
     r.optimizer.zero_grad(set_to_none=True)
     return committed
