@@ -3,10 +3,10 @@
     raytrain-ft plan-interval --mtbf-hours 10000 --gpus 1000 --checkpoint-seconds 300
     raytrain-ft plan-goodput --gpus 1000 --mtbf-hours 10000 [--from-run RUN] [--json] [--plot FILE]
     raytrain-ft plan-memory --config configs/gpu-7b.yaml [--strategy ddp --micro-batch-size 2 ...]
-    raytrain-ft history RUN_NAME_OR_ID [--tracking-uri URI]   (or MLFLOW_TRACKING_URI)
+    raytrain-ft history RUN_NAME_OR_ID [--tracking-uri URI] [--json]   (or MLFLOW_TRACKING_URI)
     raytrain-ft check --config configs/gpu-7b.yaml [key=value ...] [--address RAY_ADDRESS]
     raytrain-ft extend RUN_NAME_OR_ID --max-steps N [--tracking-uri ...]
-    raytrain-ft runs [--tracking-uri ...]
+    raytrain-ft runs [--tracking-uri ...] [--json]
     raytrain-ft export RUN [--step N] --out DIR [--data PATH] [--register NAME]
     raytrain-ft verify RUN [--step N] [--storage-path runs]
 
@@ -16,6 +16,7 @@ Errors in the input print one `error: ...` line on stderr and exit with status 2
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -329,26 +330,49 @@ def _find_run(client, run: str):
     return matches[0]
 
 
+def history_report(client, run) -> dict:
+    """What `raytrain-ft history` shows, as one JSON-ready object: `run` (name, id, status), `tables`
+    ({title: rows}, each row a dict of the table's columns), `totals`, `goodput` (the latest goodput
+    metrics, seconds and fractions; empty before any) and `events` (every event of the run, oldest
+    first, each `{"kind", "step", "time", ...its fields}`; `step` None for events of no step, `time`
+    unix seconds)."""
+    from raytrain_ft import recovery
+    from raytrain_ft.tracking import MlflowRecorder, steps_logged_since
+
+    events = MlflowRecorder(client.tracking_uri, run.info.run_id).events()
+    tables = {"Recovery history": recovery.recovery_rows(events)}
+    if any(e["kind"] == "failure" and e.get("replaced") for e in events):  # replica recovery replaced some
+        done = steps_logged_since(client, run.info.run_id, 0.0)
+        tables["Replica replacements"] = recovery.replacement_rows(events, done)
+    tables["Preemptions"] = recovery.preemption_rows(events)
+    tables["Guard events"] = recovery.guard_rows(events)
+    metrics = run.data.metrics
+    goodput_keys = ("goodput", "wall_s", "productive_s")
+    return {
+        "run": {"name": run.info.run_name, "id": run.info.run_id, "status": run.info.status},
+        "tables": tables,
+        "totals": recovery.totals(tables["Recovery history"]),
+        "goodput": {k: v for k, v in metrics.items() if k in goodput_keys or k.startswith("badput_")},
+        "events": [{"kind": e["kind"], "step": e.get("step"), "time": e["time"], **e} for e in events],
+    }
+
+
 def _history(args: argparse.Namespace) -> int:
-    """Print a run's recovery history, guard events, totals and goodput from MLflow (see `raytrain_ft.recovery`)."""
+    """Print a run's recovery history, guard events, totals and goodput from MLflow (see
+    `raytrain_ft.recovery`); `--json`: `history_report`'s object instead."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    from raytrain_ft import recovery
-    from raytrain_ft.tracking import MlflowRecorder, steps_logged_since
-
     client = _store(args.tracking_uri)
     run = _find_run(client, args.run)
-    events = MlflowRecorder(client.tracking_uri, run.info.run_id).events()
+    report = history_report(client, run)
+    if args.json:
+        print(json.dumps(report, default=str))
+        return 0
     console = Console(width=200)
     console.print(f"run {run.info.run_name} ({run.info.run_id}), status {run.info.status}")
-    tables = [("Recovery history", recovery.recovery_rows(events))]
-    if any(e["kind"] == "failure" and e.get("replaced") for e in events):  # replica recovery replaced some
-        done = steps_logged_since(client, run.info.run_id, 0.0)
-        tables.append(("Replica replacements", recovery.replacement_rows(events, done)))
-    tables.append(("Preemptions", recovery.preemption_rows(events)))
-    for title, rows in [*tables, ("Guard events", recovery.guard_rows(events))]:
+    for title, rows in report["tables"].items():
         table = Table(title=title)
         keys = list(rows[0]) if rows else ["(none)"]
         for key in keys:
@@ -356,8 +380,7 @@ def _history(args: argparse.Namespace) -> int:
         for row in rows:
             table.add_row(*(escape(str(row[k])) for k in keys))  # causes contain "[...]"
         console.print(table)
-    totals = recovery.totals(recovery.recovery_rows(events))
-    console.print(", ".join(f"{k} {v:g}" for k, v in totals.items()))
+    console.print(", ".join(f"{k} {v:g}" for k, v in report["totals"].items()))
     console.print(_goodput_table(run.data.metrics))
     return 0
 
@@ -389,6 +412,7 @@ def _add_history(subparsers) -> None:
         help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///$HOME/raytrain-ft/mlflow.db, "
         "where a run without tracking.uri logs)",
     )
+    p.add_argument("--json", action="store_true", help="print one JSON object (tables, totals, goodput, events)")
     p.set_defaults(func=_history)
 
 
@@ -532,6 +556,9 @@ def _runs(args: argparse.Namespace) -> int:
     client = _store(args.tracking_uri)
     experiments = [e.experiment_id for e in client.search_experiments()]
     rows = run_rows(client.search_runs(experiments, order_by=["attributes.start_time DESC"]) if experiments else [])
+    if args.json:
+        print(json.dumps({"tracking_uri": client.tracking_uri, "runs": rows}))
+        return 0
     table = Table(title=f"Runs in {client.tracking_uri}")
     for column in ("name", "status", "step", "loss", "val_loss", "restarts", "goodput"):
         table.add_column(column, justify="left" if column in ("name", "status") else "right")
@@ -548,6 +575,7 @@ def _add_runs(subparsers) -> None:
         default="",
         help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///$HOME/raytrain-ft/mlflow.db)",
     )
+    p.add_argument("--json", action="store_true", help="print one JSON object: {tracking_uri, runs: [rows]}")
     p.set_defaults(func=_runs)
 
 

@@ -44,6 +44,8 @@ STRATEGIES = ("auto", "ddp", "fsdp", "hsdp")
 LR_SCHEDULES = ("cosine", "wsd")  # raytrain_ft.schedule
 GPU_TYPES = ("A100-40GB", "A100-80GB", "H100", "H200")  # the keys of raytrain_ft.hardware.GPUS
 RECOVERY_MODES = ("restart", "replica")  # raytrain_ft.replicas
+STRAGGLER_ACTIONS = ("warn",)  # raytrain_ft.straggler; rebalance and exclude are not built yet (docs/stragglers.md)
+MAX_SLOW_FACTOR = 100.0  # a `slow` fault slower than this is a hang: use kind hang
 
 
 @dataclass
@@ -182,6 +184,21 @@ class ValidationSection:
 
 
 @dataclass
+class StragglerSection:
+    """Straggler detection (`raytrain_ft.straggler`, always on) and what to do about a flagged rank.
+
+    `action`: `warn` (the default and, for now, the only one: record a `straggler` event and keep
+    training; the run's math, split and bits stay exactly those of a run without the detector, and
+    a person decides). `rebalance` and `exclude` are refused until built (docs/stragglers.md).
+    """
+
+    action: str = "warn"  # warn: record the straggler event only (docs/stragglers.md)
+    threshold: float = 1.5  # a rank is slow at a step when its compute per sequence exceeds this x the others' median
+    window: int = 10  # steps judged: a rank is flagged when slow in min_slow_steps of the last window steps
+    min_slow_steps: int = 6  # of the last window steps; a flagged rank recovers when fast in as many
+
+
+@dataclass
 class FaultSpec:
     kind: str = (
         MISSING  # one of FAULT_KINDS (raise, kill, kill_during_save, ..., kill_in_setup, ...), see raytrain_ft.faults
@@ -189,7 +206,7 @@ class FaultSpec:
     step: int = MISSING  # the (first) step at which the fault fires; kill_in_setup/...: the start resuming from >= step
     rank: int = 0  # the rank that fails; -1 = every rank
     steps: int = 1  # spike / nan / slow / slow_save / slow_restore: for this many consecutive steps
-    factor: float = 1000.0  # spike: the loss (and so the gradients) of the rank is multiplied by this
+    factor: float = 1000.0  # spike: the rank's loss (and gradients) x this; slow without seconds: its compute x this
     seconds: float = (
         0.0  # hang, hold_reduce: sleep once; slow: every step; slow_save / slow_restore: the writer / reader sleeps
     )
@@ -212,6 +229,7 @@ class Config:
     tracking: TrackingSection = field(default_factory=TrackingSection)
     guards: GuardsSection = field(default_factory=GuardsSection)
     validation: ValidationSection = field(default_factory=ValidationSection)
+    straggler: StragglerSection = field(default_factory=StragglerSection)
     faults: list[FaultSpec] = field(default_factory=list)  # injected faults (raytrain_ft.faults), each once per run
 
     @property
@@ -340,6 +358,11 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"config key 'faults[{i}].kind' is {f.kind!r}; valid kinds: {', '.join(FAULT_KINDS)}")
         if f.kind == "freeze" and f.at not in FREEZE_MOMENTS:
             raise ConfigError(f"config key 'faults[{i}].at' is {f.at!r}; valid: {', '.join(FREEZE_MOMENTS)}")
+        if f.kind == "slow" and not f.seconds > 0 and not 1 < f.factor <= MAX_SLOW_FACTOR:
+            raise ConfigError(
+                f"config key 'faults[{i}].factor' is {f.factor:g} for a slow fault; give 1 < factor <= "
+                f"{MAX_SLOW_FACTOR:g} (the rank's compute takes factor times as long, e.g. factor: 2.0) or seconds"
+            )
     spike = cfg.guards.spike
     if not 1 <= spike.warmup <= spike.window:
         raise ConfigError(
@@ -362,6 +385,14 @@ def _validate(cfg: Config) -> None:
     if cfg.failure.recovery not in RECOVERY_MODES:
         raise ConfigError(
             f"config key 'failure.recovery' is {cfg.failure.recovery!r}; valid: {', '.join(RECOVERY_MODES)}"
+        )
+    st = cfg.straggler
+    if st.action not in STRAGGLER_ACTIONS:
+        raise ConfigError(f"config key 'straggler.action' is {st.action!r}; valid: {', '.join(STRAGGLER_ACTIONS)}")
+    if not st.threshold > 1 or not 1 <= st.min_slow_steps <= st.window:
+        raise ConfigError(
+            f"config keys 'straggler.threshold' ({st.threshold:g}), 'straggler.min_slow_steps' ({st.min_slow_steps}) "
+            f"and 'straggler.window' ({st.window}) need threshold > 1 and 1 <= min_slow_steps <= window"
         )
     if cfg.checkpoint.interval not in INTERVAL_MODES:
         raise ConfigError(

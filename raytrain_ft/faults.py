@@ -5,7 +5,12 @@ Kinds: `raise` (an exception in the training loop), `kill` (SIGKILL of the worke
 async write is in flight; `step` must be a checkpoint step), `nan` (the rank's loss becomes NaN),
 `spike` (the rank's loss, and so its gradients, is multiplied by `factor`), `bitflip` (one bit of
 one parameter flips on the rank after the optimizer step), `hang` (the rank sleeps `seconds` inside
-the step), `slow` (the rank sleeps `seconds` in every step), `slow_save` (slow storage: the rank's
+the step), `slow` (a straggler: from `step` on, for `steps` steps, the rank's own compute takes
+`factor` times as long: it sleeps `(factor - 1) x` its measured compute of the previous step
+(`straggler.ComputeTimer`, the sleep itself not counted) inside its forward/backward, before its
+gradients are ready, so the other ranks wait for it in the gradient all-reduce as they would for a
+slow GPU; with `seconds` instead it sleeps that long there every step; the issue's `from_step` /
+`until_step` are `step` / `step + steps`), `slow_save` (slow storage: the rank's
 checkpoint writer sleeps `seconds` before writing each save, after creating the step folder),
 `slow_restore` (slow storage on read: the rank's checkpoint reader sleeps `seconds` on the first
 item of each restore, with the checkpoint file open: what `lsof` or `/proc/<pid>/fd` shows while a
@@ -32,9 +37,9 @@ index, `Session.rank`). Each fault fires once per run: the firing rank writes
 rollback) passes it; `slow`, `slow_save` and `slow_restore` are properties of the machine and fire on
 every pass.
 
-The injector is a step hook (`raytrain_ft.hooks`): `raise`/`kill` fire in `before_step`, `bitflip`,
-`hang` and `slow` in `after_optimizer_step`; `freeze` in `restore_delay_s`, `before_reduce` or
-`after_save_started` (its `at`). `loss_factor`, `before_reduce`, `save_delay_s`,
+The injector is a step hook (`raytrain_ft.hooks`): `raise`/`kill` fire in `before_step`, `bitflip`
+and `hang` in `after_optimizer_step`; `freeze` in `restore_delay_s`, `before_reduce` or
+`after_save_started` (its `at`). `loss_factor`, `slow_down`, `before_reduce`, `save_delay_s`,
 `after_save_started` and `restore_delay_s` change the step's (or the restore's) own values and are
 called where they act.
 
@@ -107,13 +112,14 @@ class FaultInjector(StepHook):
     ):
         self.faults, self.rank, self.settle, self.param = list(enumerate(faults)), rank, settle, param
         self.run_root, self.first_step = run_root, True
+        self.slept_s = 0.0  # the `slow` sleep inside the previous step's measured compute
 
     def _pending(self, step: int, kinds: tuple[str, ...]) -> list[tuple[int, FaultSpec]]:
         return [
             (i, f)
             for i, f in self.faults
             if f.kind in kinds
-            and f.step <= step < f.step + max(1, f.steps if f.kind in ("nan", "spike", "slow") else 1)
+            and f.step <= step < f.step + max(1, f.steps if f.kind in ("nan", "spike") else 1)
             and not self._fired(i, step)
         ]
 
@@ -191,6 +197,17 @@ class FaultInjector(StepHook):
             if self._mine(f):
                 self._freeze(i, step)
 
+    def slow_down(self, step: int, compute_s: float) -> None:
+        """`slow`: sleep inside this rank's compute of `step` (`compute_s`: the previous step's
+        measured compute seconds, the previous sleep included): `(factor - 1) x` its own compute, or
+        `seconds`."""
+        own_s, sleep_s = compute_s - self.slept_s, 0.0
+        for f in (f for _, f in self.faults if f.kind == "slow" and self._mine(f)):
+            if f.step <= step < f.step + f.steps:
+                sleep_s += f.seconds or (f.factor - 1) * own_s
+        self.slept_s = sleep_s
+        time.sleep(sleep_s)
+
     def after_save_started(self, step: int) -> None:
         """SIGKILL (`kill_during_save`) or SIGSTOP (`freeze` at `save`) this rank while its (slowed)
         write of `step` is in flight."""
@@ -213,7 +230,7 @@ class FaultInjector(StepHook):
         return factor
 
     def after_optimizer_step(self, result: StepResult) -> None:
-        """`bitflip` (in `param()`), `hang` and `slow` faults of this rank at `result.step`."""
+        """`bitflip` (in `param()`) and `hang` faults of this rank at `result.step`."""
         step = result.step
         due = self._pending(step, ("bitflip", "hang"))
         if any(f.kind == "hang" for _, f in due):
@@ -225,9 +242,6 @@ class FaultInjector(StepHook):
                     flip_bit(self.param())
                 else:
                     time.sleep(f.seconds)
-        for f in (f for _, f in self.faults if f.kind == "slow" and self._mine(f)):
-            if f.step <= step < f.step + f.steps:
-                time.sleep(f.seconds)
 
 
 @torch.no_grad()

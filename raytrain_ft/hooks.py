@@ -40,7 +40,8 @@ class StepResult:
     (`StepMembers.recovering_s`: under replica recovery, the quorum's wait for the lighthouse to
     drop a dead replica; else 0); `devices`: the devices that trained the step, the split's world
     size (under replica recovery the step's participating replicas, one device each), what
-    throughput per device and MFU divide by.
+    throughput per device and MFU divide by; `compute_s_per_seq`: every member's compute seconds per
+    sequence of the step, waits in collectives excluded, in the split's rank order (`raytrain_ft.straggler`).
     """
 
     step: int
@@ -53,6 +54,7 @@ class StepResult:
     validation_s: float = 0.0
     recovery_s: float = 0.0
     devices: int = 1
+    compute_s_per_seq: tuple[float, ...] = ()
 
 
 class StepHook:

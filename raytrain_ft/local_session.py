@@ -7,6 +7,7 @@ it always names a complete checkpoint). Preemption notices do not exist here.
 from __future__ import annotations
 
 import copy
+import socket
 from collections.abc import Iterator
 
 import torch
@@ -22,6 +23,7 @@ from raytrain_ft.tracking import MlflowRecorder, bound_requests
 
 class LocalSession:
     replacement = False  # no replica recovery without Ray
+    node = socket.gethostname()
 
     def __init__(
         self,

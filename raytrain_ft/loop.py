@@ -61,6 +61,7 @@ from raytrain_ft.run_folder import complete_steps, end_run, step_path
 from raytrain_ft.schedule import lr_schedule
 from raytrain_ft.session import Session
 from raytrain_ft.step_metrics import StepMetrics
+from raytrain_ft.straggler import ComputeTimer, StragglerDetector, StragglerMonitor
 from raytrain_ft.train_state import (
     KEY_DATA,
     KEY_GOODPUT,
@@ -281,7 +282,18 @@ class Trainer:
             self.step_recorder,
             self.rank,
         )
-        self.hooks = StepHooks([self.faults, StepAccount(self.ledger), metrics, self.audit, self.beat])
+        self.compute = ComputeTimer(self.par.model, self.device)
+        st = cfg.straggler
+        stragglers = StragglerMonitor(
+            StragglerDetector(st.threshold, st.window, st.min_slow_steps),
+            st.action,
+            session.recorder(attempt=False),
+            lambda: self.members.rank,
+            session.rank,
+            session.node,
+        )
+        hooks = [self.faults, StepAccount(self.ledger), metrics, stragglers, self.audit, self.beat]
+        self.hooks = StepHooks(hooks)
 
     def begin(self) -> None:
         """Start the attempt (every rank, collectives): restore the committed checkpoint (or an
@@ -391,7 +403,9 @@ class Trainer:
         self.hooks.before_step(step)
         passes = self.batches.take(self.position, share)
         self.hooks.after_batch(step, passes)
-        weighted = forward_backward(self.par, share.plan, passes, self.faults.loss_factor(step), self.device)
+        with self.compute:  # this rank's compute seconds, its waits in collectives excluded
+            self.faults.slow_down(step, self.compute.seconds)
+            weighted = forward_backward(self.par, share.plan, passes, self.faults.loss_factor(step), self.device)
         local_loss = rank_mean_loss(share.plan, share.rank, weighted)  # what the rank check compares
         self.faults.before_reduce(step)
         self.members.reduce(self.par)  # replicas: their gradients averaged over the step's participants
@@ -401,8 +415,8 @@ class Trainer:
         # them; whether the saver may save after this step (then every member runs the fingerprint);
         # how many members' nodes are drained for preemption
         may_save = self.members.saves and (self.save_due or self.schedule.due(step) or step == self.cfg.train.max_steps)
-        loss_sum, skip, before_save, leaving = self.members.agree(
-            step, weighted, skip, may_save, self.preemption.take()
+        loss_sum, skip, before_save, leaving, figures = self.members.agree(
+            step, weighted, skip, may_save, self.preemption.take(), self.compute.seconds
         )
         if not self.members.commit():  # a peer failed during the step: its time is lost to that failure
             self.optimizer.zero_grad(set_to_none=True)
@@ -430,6 +444,7 @@ class Trainer:
                 val.seconds,
                 self.members.recovering_s,
                 share.plan.world_size,
+                figures,
             )
         )
         self.checks.monitor(step, local_loss, grad_norm, before_save)

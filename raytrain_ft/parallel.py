@@ -185,7 +185,10 @@ def build(
     forward_module: torch.nn.Module
     if strategy == "ddp":
         materialize(model, seed, device)
-        forward_module = DDP(model, device_ids=[device.index] if mixed else None, init_sync=not resuming)
+        # no buffer broadcast in every forward: the only buffers (the rotary embedding's) are computed
+        # alike on every rank, and a collective in forward would put a wait in `straggler.ComputeTimer`
+        ids = [device.index] if mixed else None
+        forward_module = DDP(model, device_ids=ids, init_sync=not resuming, forward_sync_buffers=False)
     else:
         if strategy == "hsdp":
             mesh = init_device_mesh(device.type, (replicas, shard_size), mesh_dim_names=("replicate", "shard"))

@@ -36,6 +36,8 @@ GUARD_EVENT_KINDS = (
     "hang",
     "corrupt_checkpoint",
     "step_not_committed",
+    "straggler",
+    "straggler_recovered",
 )
 RECOVERY_TABLE = "recovery_history.json"
 REPLACEMENT_TABLE = "replica_replacements.json"

@@ -2,9 +2,10 @@
 
 The loop asks its `StepMembers` five things per optimizer step, whatever the recovery mode:
 `begin()` (this step's `Share`: the batch split and this rank's place in it), `reduce(par)` after
-the forward/backward passes, `agree(step, loss, skip, may_save, doomed)` (an `Agreement`: the
-members' summed loss, one spike-guard decision for all of them, whether the fingerprint runs before a
-save, and how many members' nodes are being drained for preemption: `raytrain_ft.preemption`), `commit()`
+the forward/backward passes, `agree(step, loss, skip, may_save, doomed, compute_s)` (an `Agreement`:
+the members' summed loss, one spike-guard decision for all of them, whether the fingerprint runs before
+a save, how many members' nodes are being drained for preemption, `raytrain_ft.preemption`, and every
+member's straggler figure, `raytrain_ft.straggler`), `commit()`
 before the optimizer step, and `gather(row)` for the data audit and the guards' cross-member checks
 (`guards.RankChecks`: the rank-spread check and the replica fingerprint compare the rows of every
 member of the step); `saves` and `records` say whether this rank writes the step's checkpoint and
@@ -109,12 +110,15 @@ LIGHTHOUSE = {"min_replicas": 1, "join_timeout_ms": int(LIGHTHOUSE_JOIN_S * 1000
 
 class Agreement(NamedTuple):
     """What a step's members agreed on (`agree`): the SUM of their losses, the skip decision, whether
-    the fingerprint runs before a save (replicas), how many members hold a drain notice (`leaving`)."""
+    the fingerprint runs before a save (replicas), how many members hold a drain notice (`leaving`),
+    and `figures` (each member's straggler figure, `raytrain_ft.straggler`: compute seconds per
+    sequence, in the split's rank order)."""
 
     loss_sum: float
     skip: bool
     before_save: bool
     leaving: int
+    figures: tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,17 @@ class Share:
 
     plan: BatchPlan
     rank: int
+
+
+def agreed_row(values: list[float], compute_s: float, share: Share) -> torch.Tensor:
+    """The float64 row one member adds to the step's agree all-reduce (SUM): `values`, then one slot
+    per member of `share.plan`, this member's holding its straggler figure (`compute_s`, its compute
+    seconds of the step, per sequence of its share: so an uneven split compares), the others 0
+    (exact: x + 0 is x)."""
+    row = torch.zeros(len(values) + share.plan.world_size, dtype=torch.float64)
+    row[: len(values)] = torch.tensor(values, dtype=torch.float64)
+    row[len(values) + share.rank] = compute_s / share.plan.share(share.rank)
+    return row
 
 
 @dataclass(frozen=True)
@@ -162,22 +177,27 @@ class WholeGroup:
     def begin(self) -> Share:
         return self.share
 
+    @property
+    def rank(self) -> int:
+        """This rank's place in the step's split."""
+        return self.share.rank
+
     def reduce(self, par: Parallel) -> None:
         """The strategy reduced the gradients in backward."""
 
-    def agree(self, step: int, loss: float, skip: bool, may_save: bool, doomed: bool) -> Agreement:
-        """(every rank's `loss` summed, the skip decision, False, the ranks whose node is drained)
-        over the group (a collective). The fingerprint before a save needs no signal here: every rank
-        reaches each save (`saves_together`).
+    def agree(self, step: int, loss: float, skip: bool, may_save: bool, doomed: bool, compute_s: float) -> Agreement:
+        """(every rank's `loss` summed, the skip decision, False, the ranks whose node is drained, every
+        rank's straggler figure from its `compute_s`, `agreed_row`) over the group (one all-reduce).
+        The fingerprint before a save needs no signal here: every rank reaches each save (`saves_together`).
 
         Raises:
             SkipDisagreementError: the ranks' guards decided differently (their grad norms differ).
         """
-        totals = torch.tensor([loss, float(skip), float(doomed)], dtype=torch.float64)
+        totals = agreed_row([loss, float(skip), float(doomed)], compute_s, self.share)
         dist.all_reduce(totals, group=self.group)
         if totals[1].item() not in (0, dist.get_world_size(self.group)):
             raise SkipDisagreementError(f"step {step}: ranks disagree on skipping (grad norms differ)")
-        return Agreement(totals[0].item(), skip, False, int(totals[2].item()))
+        return Agreement(totals[0].item(), skip, False, int(totals[2].item()), tuple(totals[3:].tolist()))
 
     def saves_before_leaving(self, leaving: int) -> bool:
         """Every rank saves the step after a drain notice: Ray Train restarts the whole group at the
@@ -288,6 +308,12 @@ class Replicas:
         return self.share
 
     @property
+    def rank(self) -> int:
+        """This replica's place in the step's split: its rank among the quorum's participants."""
+        assert self.share is not None, "rank after begin()"
+        return self.share.rank
+
+    @property
     def saves(self) -> bool:
         """Whether this replica writes this step's durable checkpoint: the participant of rank 0."""
         return self.share is not None and self.share.rank == 0
@@ -308,15 +334,17 @@ class Replicas:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def agree(self, step: int, loss: float, skip: bool, may_save: bool, doomed: bool) -> Agreement:
+    def agree(self, step: int, loss: float, skip: bool, may_save: bool, doomed: bool, compute_s: float) -> Agreement:
         """(the participants' `loss` summed, whether any participant's guard skips the step, whether
-        the step's saver may save after it, how many participants' nodes are drained): one
-        all-reduce, before the commit (a failed one makes `commit()` False). `may_save`: this
-        replica saves (`saves`) and a save may follow the step; when the saver's is True every
-        participant runs the fingerprint after the optimizer step (`RankChecks.monitor`), so the
-        saver's weights are compared with its peers' just before it saves them
-        (`RankChecks.fit_to_save`). `doomed`: this replica's node is drained (`raytrain_ft.preemption`)."""
-        totals = torch.tensor([loss, float(skip), float(may_save), float(doomed)], dtype=torch.float64)
+        the step's saver may save after it, how many participants' nodes are drained, every
+        participant's straggler figure from its `compute_s`, `agreed_row`): one all-reduce, before the
+        commit (a failed one makes `commit()` False). `may_save`: this replica saves (`saves`) and a
+        save may follow the step; when the saver's is True every participant runs the fingerprint after
+        the optimizer step (`RankChecks.monitor`), so the saver's weights are compared with its peers'
+        just before it saves them (`RankChecks.fit_to_save`). `doomed`: this replica's node is drained
+        (`raytrain_ft.preemption`)."""
+        assert self.share is not None, "agree after begin()"
+        totals = agreed_row([loss, float(skip), float(may_save), float(doomed)], compute_s, self.share)
         self.manager.allreduce(totals, reduce_op=dist.ReduceOp.SUM).wait()
         votes = totals[1].item()
         if votes != float(skip) * self.manager.num_participants() and votes > 0:
@@ -326,7 +354,9 @@ class Replicas:
                 step,
                 votes,
             )
-        return Agreement(totals[0].item(), votes > 0, totals[2].item() > 0, int(totals[3].item()))
+        return Agreement(
+            totals[0].item(), votes > 0, totals[2].item() > 0, int(totals[3].item()), tuple(totals[4:].tolist())
+        )
 
     def saves_before_leaving(self, leaving: int) -> bool:
         """Whether this replica writes a checkpoint of the step after a drain notice: the step's saver,

@@ -25,6 +25,7 @@ class Session(Protocol):
     # under replica recovery: the runtime started this worker in place of a failed replica while the
     # others kept training (`raytrain_ft.replicas.Role`); False otherwise
     replacement: bool
+    node: str  # this worker's node, as events name it (the Ray node id; the host name without Ray)
 
     def recorder(self, attempt: bool) -> Recorder:
         """The run's recorder (`raytrain_ft.recorder`). `attempt=True` (rank 0, once per attempt):

@@ -4,7 +4,8 @@
 `Recorder` (`raytrain_ft.recorder`: rank 0's records, the others' is a `NullRecorder`) each step in
 the run's timeline (`raytrain_ft.timeline`: `loss`, `lr`,
 `grad_norm`, `tokens_per_s`, `tokens_per_s_per_device`, `mfu` on GPU, `step_time_s`, `epoch`,
-`checkpoint_stall_s`, and `val_loss`, `val_perplexity` at a validated step), the attempt's
+`checkpoint_stall_s`, `compute_s_per_seq_rank<r>` (each member's compute seconds per sequence,
+`raytrain_ft.straggler`), and `val_loss`, `val_perplexity` at a validated step), the attempt's
 `first_step` event with its recovery tables, and each skipped step (`skipped_steps` metric,
 `skipped_step` event); rank 0 prints a progress line every `PROGRESS_EVERY` steps
 (`progress_line`: step / max_steps, loss, tokens/s, ETA) that Ray streams to the driver. Every
@@ -109,6 +110,7 @@ class StepMetrics(StepHook):
                 "step_time_s": step_time,
                 "epoch": self.position.epoch,
                 "checkpoint_stall_s": r.stall_s,
+                **{f"compute_s_per_seq_rank{i}": t for i, t in enumerate(r.compute_s_per_seq)},
                 **r.validation,
             },
             current={"last_step": r.step, "current_step_time_s": step_time},

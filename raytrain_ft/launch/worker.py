@@ -6,6 +6,7 @@ import logging
 import os
 from collections.abc import Iterator
 
+import ray
 import ray.train
 import torch
 from ray.train import Checkpoint, CheckpointUploadMode
@@ -41,6 +42,7 @@ class RaySession:
     ):
         ctx = ray.train.get_context()
         self.rank = ctx.get_world_rank()
+        self.node = ray.get_runtime_context().get_node_id()
         self.replacement = os.environ.get(REPLACEMENT_ENV) == "1"  # set by `driver.ReplicaBackend`
         storage = ctx.get_storage()
         self.filesystem = storage.storage_filesystem  # pyarrow's: Ray compares it when registering a checkpoint

@@ -85,7 +85,7 @@ def test_one_replica_trains_the_whole_batch_and_commits(lighthouse, tmp_path):
     par = Parallel("ddp", model, model, 1, 1, 0, False)
     replicas.reduce(par)
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
-    assert replicas.agree(6, 2.5, False, False, False) == (2.5, False, False, 0)  # the sum over one participant
+    assert replicas.agree(6, 2.5, False, False, False, 2.0) == (2.5, False, False, 0, (0.25,))  # 2 s / 8 sequences
     ids = torch.tensor([4, 9, -1])
     assert torch.equal(replicas.gather(ids), ids[None])
     assert replicas.commit()
@@ -182,7 +182,7 @@ class Replica:
         step = self.progress.step + 1
         may_save = self.replicas.saves and step in self.save_at
         doomed = step in self.doomed_at
-        _, skip, before_save, leaving = self.replicas.agree(step, 0.0, step in self.skip_at, may_save, doomed)
+        _, skip, before_save, leaving, _ = self.replicas.agree(step, 0.0, step in self.skip_at, may_save, doomed, 0.0)
         self.leaving.append(leaving)
         if self.replicas.commit():
             self.guard.record(1.0, skip)
@@ -247,7 +247,7 @@ def attempt(r: Replica, step: int) -> bool:
     g = r.replicas.share.plan.global_batch_size
     (r.model(r.data[r.position.consumed : r.position.consumed + g]).sum()).backward()
     r.replicas.reduce(r.par)
-    r.replicas.agree(step, 0.0, False, False, False)
+    r.replicas.agree(step, 0.0, False, False, False, 0.0)
     committed = r.replicas.commit()
     r.optimizer.zero_grad(set_to_none=True)
     return committed

@@ -1,0 +1,66 @@
+"""The straggler decision as a pure function of the ranks' figures (no Ray, no process group)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from raytrain_ft.straggler import ComputeTimer, Straggler, StragglerDetector, slowness
+
+
+def test_slowness_compares_each_rank_with_the_median_of_the_others():
+    assert slowness([1.0, 1.0, 2.0]) == pytest.approx([2 / 3, 2 / 3, 2.0])  # rank 0: 1.0 / median(1.0, 2.0)
+    assert slowness([3.0]) == [1.0]  # alone: nothing to compare with
+    assert slowness([0.0, 0.0]) == [1.0, 1.0]  # nothing measured
+
+
+def test_a_rank_is_flagged_only_when_slow_in_k_of_the_last_n_steps_and_recovers_the_same_way():
+    detector = StragglerDetector(threshold=1.5, window=5, min_slow_steps=3)
+    healthy, slow = [1.0, 1.0, 1.0], [1.0, 1.0, 2.0]
+    # one-step blips (a rank descheduled once, twice within the window) are never a straggler
+    assert [detector.observe(s, f) for s, f in enumerate([slow, healthy, healthy, slow, healthy], 1)] == [([], [])] * 5
+    assert detector.observe(6, slow) == ([], [])  # slow at 4 and 6: two of the last five
+    flagged, _ = detector.observe(7, slow)  # 4, 6, 7: three of the last five
+    assert flagged == [Straggler(rank=2, factor=2.0, first_step=4)]
+    assert detector.observe(8, slow) == ([], [])  # flagged once, not again
+    assert detector.observe(9, healthy) == ([], [])
+    assert detector.observe(10, healthy) == ([], [])  # fast in 9, 10 and 5 falls out: 2 of 5
+    _, recovered = detector.observe(11, healthy)  # fast in 9, 10, 11
+    assert [r.rank for r in recovered] == [2]
+    assert detector.flagged == {}
+
+
+def test_a_rank_with_a_smaller_share_is_no_straggler_when_its_time_per_sequence_matches():
+    detector = StragglerDetector(threshold=1.5, window=3, min_slow_steps=1)
+    # 3/3/2 sequences in 0.3/0.3/0.2 s: the figures are per sequence (`replicas.agreed_row`)
+    assert detector.observe(1, [0.3 / 3, 0.3 / 3, 0.2 / 2]) == ([], [])
+    assert detector.observe(2, [0.3 / 3, 0.3 / 3, 0.4 / 2])[0] == [
+        Straggler(2, pytest.approx(2.0), 2)
+    ]  # twice as long each
+
+
+def test_a_change_of_the_members_starts_the_judgement_afresh():
+    detector = StragglerDetector(threshold=1.5, window=4, min_slow_steps=2)
+    detector.observe(1, [1.0, 1.0, 3.0])
+    assert detector.observe(2, [1.0, 3.0]) == ([], [])  # two members now: rank 1 is not the old rank 2
+    assert detector.observe(3, [1.0, 3.0])[0] == [Straggler(1, 3.0, 2)]
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="min_slow_steps"):
+        StragglerDetector(threshold=1.5, window=3, min_slow_steps=4)
+    with pytest.raises(ValueError, match="threshold > 1"):
+        StragglerDetector(threshold=1.0, window=3, min_slow_steps=1)
+
+
+def test_the_compute_timer_ends_at_the_last_gradient_not_at_the_end_of_the_wait():
+    model = torch.nn.Linear(4, 4)
+    timer = ComputeTimer(model, torch.device("cpu"))
+    with timer:
+        model(torch.ones(2, 4)).sum().backward()
+        ready = timer.ready
+        time.sleep(0.05)  # a wait after the gradients are ready (DDP's all-reduce tail)
+    assert timer.seconds == ready - timer.started
+    assert timer.seconds < 0.05
