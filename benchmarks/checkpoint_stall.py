@@ -1,12 +1,12 @@
 """Training stall of an async checkpoint against a synchronous save and a plain in-memory copy, and the
-cost of checkpoint checksums (`raytrain_ft.integrity`) on the save and on the restore.
+cost of checkpoint checksums (`raytrain_ft.checkpoint.integrity`) on the save and on the restore.
 
 One process (world size 1, gloo; NCCL and a GPU when present), the `125m` preset (~98M parameters
 with vocab 8192) with AdamW state after one step. Measured side by side, median of `--repeats`,
 each with checksums (the project's writer and reader) and without (DCP's plain fsspec writer and
 reader and default load planner, as before checksums):
 
-  (a) stall: what the training loop waits for with `raytrain_ft.checkpoint.Checkpointer`: the
+  (a) stall: what the training loop waits for with `raytrain_ft.checkpoint.checkpointer.Checkpointer`: the
       `async_save` call, then one forward/backward (real work the copy overlaps with), then
       `wait_staged()` before the optimizer step. Also reported: the stall without overlap.
   (b) sync: `dcp.save` of the same state dict.
@@ -32,12 +32,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from raytrain_ft import checkpoint
-from raytrain_ft.checkpoint import Checkpointer
-from raytrain_ft.integrity import ChecksummedWriter
-from raytrain_ft.model import build_model, lm_loss
+from raytrain_ft.checkpoint import checkpointer as checkpoint
+from raytrain_ft.checkpoint.checkpointer import Checkpointer
+from raytrain_ft.checkpoint.integrity import ChecksummedWriter
+from raytrain_ft.checkpoint.train_state import KEY_META, ModelState, OptimizerState, RunMeta, TrainState
+from raytrain_ft.model.llama import build_model, lm_loss
 from raytrain_ft.run_folder import step_path
-from raytrain_ft.train_state import KEY_META, ModelState, OptimizerState, RunMeta, TrainState
 from report import default_out, report, scratch
 
 

@@ -4,7 +4,7 @@ plain Ray Train restart, side by side in one Ray session (3 logical CPUs).
 1. Clustered (`configs/tiny.yaml`, 2 workers at exact fit: each takes half of the cluster's CPUs, so a
    placement group left behind by a start would leave the next start nothing): rank 1 killed at
    step 7, then three failures in a row at the starts that follow, each at another moment
-   (`kill_in_setup`, `kill_at_launch`, `kill_at_first_step`, `raytrain_ft.faults`). Measured: seconds
+   (`kill_in_setup`, `kill_at_launch`, `kill_at_first_step`, `raytrain_ft.resilience.faults`). Measured: seconds
    from the third clustered failure (the `kill_at_first_step` fault's marker, written just before the
    SIGKILL) to the next trained step (the first `train/loss` value logged after it: the step's commit
    to MLflow), and the same from each earlier failure, plus whether every group start found the
@@ -34,7 +34,7 @@ from raytrain_ft.config import load_config
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.prepare import PrepareSettings, prepare
 from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV, run
-from raytrain_ft.tracking import MlflowRecorder
+from raytrain_ft.telemetry.tracking import MlflowRecorder
 from report import default_out, report, scratch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

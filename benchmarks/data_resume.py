@@ -37,7 +37,7 @@ from raytrain_ft.data.order import EpochOrder, steps_per_epoch
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.data.prepare import PrepareSettings, prepare
 from raytrain_ft.launch.datasource import rank_datasource, rank_micro_batches
-from raytrain_ft.model import build_model, lm_loss
+from raytrain_ft.model.llama import build_model, lm_loss
 from report import default_out, report, scratch
 
 

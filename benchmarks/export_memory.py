@@ -1,4 +1,4 @@
-"""Peak RSS of `raytrain-ft export` against its stated bound (`raytrain_ft.export.export_checkpoint`).
+"""Peak RSS of `raytrain-ft export` against its stated bound (`raytrain_ft.model.export.export_checkpoint`).
 
 Writes a checkpoint of a model preset with random fp32 weights through DCP (one process, no process
 group: the layout a one-rank run writes; a sharded run's only adds chunks per tensor, which the bound
@@ -22,11 +22,11 @@ import sys
 import torch
 import torch.distributed.checkpoint as dcp
 
+from raytrain_ft.checkpoint.integrity import ChecksummedWriter
+from raytrain_ft.checkpoint.train_state import KEY_META, KEY_MODEL, KEY_PROGRESS, Pickled, Progress, RunMeta
 from raytrain_ft.data.manifest import MANIFEST, Manifest
 from raytrain_ft.data.prepare import EOS, TOKENIZER_FILE, train_tokenizer
-from raytrain_ft.integrity import ChecksummedWriter
-from raytrain_ft.model import build_model
-from raytrain_ft.train_state import KEY_META, KEY_MODEL, KEY_PROGRESS, Pickled, Progress, RunMeta
+from raytrain_ft.model.llama import build_model
 
 DATA_FINGERPRINT = "synthetic"
 
@@ -35,7 +35,7 @@ MEASURE = """
 import json, sys
 import huggingface_hub, safetensors.torch, tokenizers, torch, transformers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
-from raytrain_ft.export import export_checkpoint
+from raytrain_ft.model.export import export_checkpoint
 def status_bytes(field):
     line = next(x for x in open("/proc/self/status") if x.startswith(field + ":"))
     return int(line.split()[1]) * 1024

@@ -21,7 +21,7 @@ Each of `--rounds` rounds (3) runs, one after the other in one Ray session:
    kill is reported as missed.
    * `restart`: a kill restarts the whole group; its clock for the next gap starts at the new
      attempt's first step. From MLflow: the goodput summary, the checkpoint cost, and per kill the
-     recovery's phases (`raytrain_ft.recovery.recovery_rows`), as seconds after the SIGKILL:
+     recovery's phases (`raytrain_ft.resilience.recovery.recovery_rows`), as seconds after the SIGKILL:
      failure detected (the controller's `failure` event), workers started (the last rank's worker
      record: Ray started the actors and the torch process group, both before `train_func` runs, so
      this phase includes both), process group ready (the loop starts building: `init_started_at`),
@@ -29,7 +29,7 @@ Each of `--rounds` rounds (3) runs, one after the other in one Ray session:
    * `replica`: Ray replaces only the killed replica and the survivor keeps training; the clock for
      the next gap starts at the survivor's first committed step after the kill, and the next kill
      waits (if need be) until the replacement's process has written its worker record (its pid).
-     Per kill, from the replacement rows (`raytrain_ft.recovery.replacement_rows`), as seconds after
+     Per kill, from the replacement rows (`raytrain_ft.resilience.recovery.replacement_rows`), as seconds after
      the SIGKILL: failure detected, workers started (the replacement's record), survivors committed
      again, replacement restored (its checkpoint loaded) and replacement joined (its first committed
      step: it participates). A kill that restarted every replica (no `replaced` in its `failure`
@@ -78,15 +78,15 @@ from mlflow.tracking import MlflowClient
 from ray.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
+from raytrain_ft.checkpoint.interval import daly_interval_s, expected_waste_fraction
 from raytrain_ft.config import load_config
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.prepare import PrepareSettings, prepare
-from raytrain_ft.interval import daly_interval_s, expected_waste_fraction
 from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV, run
-from raytrain_ft.model import build_model, lm_loss
-from raytrain_ft.recovery import failures, recovery_rows, replacement_rows
+from raytrain_ft.model.llama import build_model, lm_loss
+from raytrain_ft.resilience.recovery import failures, recovery_rows, replacement_rows
 from raytrain_ft.run_folder import worker_records, write_worker_record
-from raytrain_ft.tracking import GOODPUT_SUMMARY, MlflowRecorder, steps_logged_since
+from raytrain_ft.telemetry.tracking import GOODPUT_SUMMARY, MlflowRecorder, steps_logged_since
 from report import default_out, report, scratch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -3,13 +3,13 @@
 Single process, world size 1, `torch.distributed` with NCCL (`file://` rendezvous), on `cuda:0`:
 
 1. `--strategy ddp` (default): the `125m` preset (vocab 8192, seq_len 512) built by
-   `raytrain_ft.parallel.build` under DDP, AdamW, `--steps` timed training steps under bf16 autocast
-   on random tokens (after 2 warm-up steps): steps/s, tokens/s and MFU (`raytrain_ft.model.flops_per_token`
-   over the peak of the detected GPU, `raytrain_ft.hardware.GPUS`);
+   `raytrain_ft.model.parallel.build` under DDP, AdamW, `--steps` timed training steps under bf16 autocast
+   on random tokens (after 2 warm-up steps): steps/s, tokens/s and MFU (`raytrain_ft.model.llama.flops_per_token`
+   over the peak of the detected GPU, `raytrain_ft.model.hardware.GPUS`);
    `--strategy fsdp`: the `1b` preset under FSDP2 (`fully_shard`, one rank, bf16 `MixedPrecisionPolicy`,
    activation checkpointing unless `--no-activation-checkpointing`), the same measurements, plus the
-   peak memory (`torch.cuda.max_memory_allocated`) against `raytrain_ft.memory.plan`'s estimate;
-2. with `raytrain_ft.checkpoint.Checkpointer` (pinned-memory staging on CUDA), per round:
+   peak memory (`torch.cuda.max_memory_allocated`) against `raytrain_ft.model.memory.plan`'s estimate;
+2. with `raytrain_ft.checkpoint.checkpointer.Checkpointer` (pinned-memory staging on CUDA), per round:
    stall of an async save = `save()` + one more step's forward/backward (the work the copy overlaps
    with, not counted) + `wait_staged()`; then the optimizer step; then a synchronous
    `torch.distributed.checkpoint.save` of the same state. Median over `--repeats` rounds, after one
@@ -64,14 +64,14 @@ def main() -> int:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from raytrain_ft.checkpoint import Checkpointer, load_model_state_dict
+    from raytrain_ft.checkpoint.checkpointer import Checkpointer, load_model_state_dict
+    from raytrain_ft.checkpoint.train_state import ModelState, OptimizerState, TrainState
     from raytrain_ft.config import load_config
-    from raytrain_ft.hardware import GPUS
-    from raytrain_ft.memory import plan
-    from raytrain_ft.model import flops_per_token, lm_loss
-    from raytrain_ft.parallel import build, local
+    from raytrain_ft.model.hardware import GPUS
+    from raytrain_ft.model.llama import flops_per_token, lm_loss
+    from raytrain_ft.model.memory import plan
+    from raytrain_ft.model.parallel import build, local
     from raytrain_ft.run_folder import step_path
-    from raytrain_ft.train_state import ModelState, OptimizerState, TrainState
 
     root = tempfile.mkdtemp(prefix="gpu-check-")
     torch.cuda.set_device(0)

@@ -32,8 +32,8 @@ from raytrain_ft.config import load_config
 from raytrain_ft.data.prepare import PrepareSettings, prepare
 from raytrain_ft.local_session import LocalSession
 from raytrain_ft.loop import Trainer, forward_backward
-from raytrain_ft.replicas import Share
-from raytrain_ft.tracking import start_or_resume_run
+from raytrain_ft.resilience.replicas import Share
+from raytrain_ft.telemetry.tracking import start_or_resume_run
 from report import default_out, report, scratch
 
 

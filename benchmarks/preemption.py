@@ -63,7 +63,7 @@ def drain_once(preset: str, workdir: str, steps_after: int, cluster, node) -> di
 
     from raytrain_ft.config import load_config
     from raytrain_ft.launch.driver import run
-    from raytrain_ft.tracking import MlflowRecorder
+    from raytrain_ft.telemetry.tracking import MlflowRecorder
 
     cfg = load_config(
         os.path.join(REPO, "configs", "tiny.yaml"),

@@ -1,14 +1,14 @@
 """FSDP against DDP on 2 gloo ranks: state bytes per rank, step time, and the async-save stall under FSDP.
 
 Two processes (torch.multiprocessing, gloo, no Ray), the `small` preset (vocab 8192, seq_len 256,
-random tokens, micro-batch 2, one micro-batch per step) built by `raytrain_ft.parallel.build` under
+random tokens, micro-batch 2, one micro-batch per step) built by `raytrain_ft.model.parallel.build` under
 `ddp` and under `fsdp`, both alive in each process. Side by side in one run:
 
 1. bytes per rank of parameters + gradients + AdamW state (local shards), after one step;
    target FSDP/DDP <= 0.55 at 2 ranks;
 2. step time (forward/backward, clip, AdamW step), median over `--rounds` rounds of `--steps`
    steps, rounds alternating ddp and fsdp; FSDP/DDP reported, target <= 1.3 on CPU;
-3. under FSDP, the training stall of an async save with `raytrain_ft.checkpoint.Checkpointer`
+3. under FSDP, the training stall of an async save with `raytrain_ft.checkpoint.checkpointer.Checkpointer`
    (`save()` + one forward/backward it overlaps with + `wait_staged()`, the forward/backward not
    counted) against a synchronous `dcp.save` of the same sharded state, median of `--repeats`
    after one warm-up save; target <= 0.05.
@@ -29,12 +29,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
-from raytrain_ft.checkpoint import Checkpointer
+from raytrain_ft.checkpoint.checkpointer import Checkpointer
+from raytrain_ft.checkpoint.train_state import KEY_MODEL, KEY_OPTIM, ModelState, OptimizerState, TrainState
 from raytrain_ft.config import load_config
-from raytrain_ft.model import lm_loss
-from raytrain_ft.parallel import build, local
+from raytrain_ft.model.llama import lm_loss
+from raytrain_ft.model.parallel import build, local
 from raytrain_ft.run_folder import step_path
-from raytrain_ft.train_state import KEY_MODEL, KEY_OPTIM, ModelState, OptimizerState, TrainState
 from report import default_out, report, scratch
 
 PRESET, VOCAB, SEQ_LEN, MICRO_BATCH = "small", 8192, 256, 2

@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from local_run import local_run  # noqa: E402  (the Ray-free session the tests use)
 from raytrain_ft.config import load_config  # noqa: E402
 from raytrain_ft.data.prepare import PrepareSettings, prepare  # noqa: E402
-from raytrain_ft.straggler import slowness  # noqa: E402
-from raytrain_ft.tracking import MlflowRecorder  # noqa: E402
+from raytrain_ft.resilience.straggler import slowness  # noqa: E402
+from raytrain_ft.telemetry.tracking import MlflowRecorder  # noqa: E402
 from report import default_out, report, scratch  # noqa: E402
 
 W, F, SLOW_FROM = 3, 2.0, 11

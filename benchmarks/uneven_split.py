@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from raytrain_ft.config import load_config
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.loop import forward_backward
-from raytrain_ft.parallel import build
+from raytrain_ft.model.parallel import build
 from report import default_out, report, scratch
 
 PRESET, VOCAB, SEQ_LEN, G, M = "tiny", 512, 256, 8, 2

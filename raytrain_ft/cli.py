@@ -23,11 +23,12 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from raytrain_ft import interval
+from raytrain_ft.checkpoint import interval
 
 
 def _plan_interval(args: argparse.Namespace) -> int:
-    """Young's and Daly's checkpoint intervals and the expected waste for a cluster (see `raytrain_ft.interval`)."""
+    """Young's and Daly's checkpoint intervals and the expected waste for a cluster
+    (see `raytrain_ft.checkpoint.interval`)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -94,10 +95,10 @@ COST_FLAGS = {
 
 
 def _plan_goodput(args: argparse.Namespace) -> int:
-    """A month's goodput by recovery mode and checkpoint interval (see `raytrain_ft.planner`)."""
+    """A month's goodput by recovery mode and checkpoint interval (see `raytrain_ft.resilience.planner`)."""
     import json
 
-    from raytrain_ft import planner
+    from raytrain_ft.resilience import planner
 
     given = {field: getattr(args, dest) for dest, field in COST_FLAGS.items() if getattr(args, dest) is not None}
     measured: dict[str, float] = {}
@@ -111,7 +112,7 @@ def _plan_goodput(args: argparse.Namespace) -> int:
     modes = planner.MODES if args.mode == "both" else (args.mode,)
     result = planner.plan(cluster, costs, modes, args.interval_seconds, args.repetitions, args.seed)
     if args.plot:
-        from raytrain_ft.goodput_plot import goodput_figure
+        from raytrain_ft.telemetry.goodput_plot import goodput_figure
 
         goodput_figure(cluster, costs, min(args.repetitions, 40), args.seed).savefig(args.plot, dpi=120)
     if args.json:
@@ -123,8 +124,8 @@ def _plan_goodput(args: argparse.Namespace) -> int:
 
 def _measured_costs(run_name: str, tracking_uri: str) -> dict[str, float]:
     """The costs a finished run measured (`planner.measured_costs`), from its MLflow store."""
-    from raytrain_ft.planner import measured_costs
-    from raytrain_ft.tracking import MlflowRecorder, steps_logged_since
+    from raytrain_ft.resilience.planner import measured_costs
+    from raytrain_ft.telemetry.tracking import MlflowRecorder, steps_logged_since
 
     client = _store(tracking_uri)
     run = _find_run(client, run_name)
@@ -141,7 +142,7 @@ def _print_goodput(result: dict, cluster, costs, source: dict[str, str], plot: s
     from rich.console import Console
     from rich.table import Table
 
-    from raytrain_ft.planner import LOST_PARTS
+    from raytrain_ft.resilience.planner import LOST_PARTS
 
     console = Console(width=160)
     failures = cluster.wall_s / cluster.mtbf_s
@@ -182,7 +183,7 @@ def _add_plan_goodput(subparsers) -> None:
         "mode the survivors' pause and the failed replica's share until it rejoins; both pay checkpoint stalls. "
         "Prints each mode's goodput (its 95 %% range over months) at its best interval (restart: searched; replica: "
         "Daly's) and the lost time by part, with Young's and Daly's intervals. Costs: flags, else those --from-run "
-        "measured, else the defaults in raytrain_ft.planner.DEFAULT_COSTS (docs/planning.md).",
+        "measured, else the defaults in raytrain_ft.resilience.planner.DEFAULT_COSTS (docs/planning.md).",
     )
     p.add_argument("--gpus", type=int, default=1000, help="GPUs in the job (default 1000)")
     p.add_argument("--mtbf-hours", type=float, default=10_000.0, help="MTBF of one GPU, hours (default 10000)")
@@ -225,13 +226,13 @@ def _add_plan_goodput(subparsers) -> None:
 
 
 def _plan_memory(args: argparse.Namespace) -> int:
-    """Per-device memory of a config or of explicit settings, and whether it fits (see `raytrain_ft.memory`)."""
+    """Per-device memory of a config or of explicit settings, and whether it fits (see `raytrain_ft.model.memory`)."""
     from rich.console import Console
     from rich.table import Table
 
-    from raytrain_ft import memory
     from raytrain_ft.config import load_config
     from raytrain_ft.errors import ConfigError
+    from raytrain_ft.model import memory
 
     overrides = [
         f"{key}={getattr(args, dest)}" for dest, key in MEMORY_FLAGS.items() if getattr(args, dest) is not None
@@ -304,10 +305,11 @@ def _add_plan_memory(subparsers) -> None:
 
 
 def _store(tracking_uri: str):
-    """An `MlflowClient` of the store `tracking_uri` names (default: as `raytrain_ft.tracking.resolve_uri`)."""
+    """An `MlflowClient` of the store `tracking_uri` names (default: as
+    `raytrain_ft.telemetry.tracking.resolve_uri`)."""
     from mlflow.tracking import MlflowClient
 
-    from raytrain_ft.tracking import resolve_uri
+    from raytrain_ft.telemetry.tracking import resolve_uri
 
     uri = resolve_uri(tracking_uri)
     if uri.startswith("sqlite:///") and not os.path.exists(uri.removeprefix("sqlite:///")):  # MLflow would create it
@@ -336,8 +338,8 @@ def history_report(client, run) -> dict:
     metrics, seconds and fractions; empty before any) and `events` (every event of the run, oldest
     first, each `{"kind", "step", "time", ...its fields}`; `step` None for events of no step, `time`
     unix seconds)."""
-    from raytrain_ft import recovery
-    from raytrain_ft.tracking import MlflowRecorder, steps_logged_since
+    from raytrain_ft.resilience import recovery
+    from raytrain_ft.telemetry.tracking import MlflowRecorder, steps_logged_since
 
     events = MlflowRecorder(client.tracking_uri, run.info.run_id).events()
     tables = {"Recovery history": recovery.recovery_rows(events)}
@@ -359,7 +361,7 @@ def history_report(client, run) -> dict:
 
 def _history(args: argparse.Namespace) -> int:
     """Print a run's recovery history, guard events, totals and goodput from MLflow (see
-    `raytrain_ft.recovery`); `--json`: `history_report`'s object instead."""
+    `raytrain_ft.resilience.recovery`); `--json`: `history_report`'s object instead."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -386,10 +388,10 @@ def _history(args: argparse.Namespace) -> int:
 
 
 def _goodput_table(metrics: dict[str, float]):
-    """The latest goodput summary (`raytrain_ft.goodput`): productive time and each badput part."""
+    """The latest goodput summary (`raytrain_ft.telemetry.goodput`): productive time and each badput part."""
     from rich.table import Table
 
-    from raytrain_ft.goodput import PARTS
+    from raytrain_ft.telemetry.goodput import PARTS
 
     if "goodput" not in metrics:
         return "goodput: none logged yet"
@@ -469,7 +471,7 @@ def _extend(args: argparse.Namespace) -> int:
     """Record a new `train.max_steps` for a wsd run (see `raytrain_ft.launch.driver.extend`)."""
     from raytrain_ft.errors import UserError
     from raytrain_ft.launch.driver import extend
-    from raytrain_ft.tracking import MlflowRecorder
+    from raytrain_ft.telemetry.tracking import MlflowRecorder
 
     client = _store(args.tracking_uri)
     run = _find_run(client, args.run)
@@ -526,7 +528,7 @@ def run_rows(runs) -> list[dict[str, str]]:
     """One row per MLflow run (`mlflow.entities.Run`): name, status, step / max_steps (the extended
     target where `raytrain-ft extend` set the `max_steps` tag), last loss and val_loss, restarts and
     goodput (blank where not logged yet)."""
-    from raytrain_ft.timeline import KEPT
+    from raytrain_ft.telemetry.timeline import KEPT
 
     def number(metrics: dict, key: str, fmt: str) -> str:
         return format(metrics[key], fmt) if key in metrics else ""
@@ -580,10 +582,10 @@ def _add_runs(subparsers) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    """A checkpoint as a Hugging Face model folder, optionally registered in MLflow (see `raytrain_ft.export`)."""
-    from raytrain_ft import export
+    """A checkpoint as a Hugging Face model folder, optionally registered in MLflow (see `raytrain_ft.model.export`)."""
     from raytrain_ft.errors import UserError
-    from raytrain_ft.tracking import resolve_uri
+    from raytrain_ft.model import export
+    from raytrain_ft.telemetry.tracking import resolve_uri
 
     uri = resolve_uri(args.tracking_uri)
     try:
@@ -634,10 +636,10 @@ def _add_export(subparsers) -> None:
 
 def _verify(args: argparse.Namespace) -> int:
     """Check the committed checkpoints of a run: checksums of every stored byte and completeness
-    (`raytrain_ft.integrity.verify_checkpoint`); one row each. Exit 1 if any is corrupt."""
+    (`raytrain_ft.checkpoint.integrity.verify_checkpoint`); one row each. Exit 1 if any is corrupt."""
     import fsspec
 
-    from raytrain_ft.integrity import verify_checkpoint
+    from raytrain_ft.checkpoint.integrity import verify_checkpoint
     from raytrain_ft.run_folder import committed_steps, run_root, step_path
 
     fs, _ = fsspec.core.url_to_fs(args.run)

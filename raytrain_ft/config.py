@@ -37,14 +37,16 @@ FAULT_KINDS = (
     "kill_at_first_step",
     "freeze",
 )
-FREEZE_MOMENTS = ("start", "reduce", "save")  # raytrain_ft.faults: where a `freeze` fault stops its rank
+FREEZE_MOMENTS = ("start", "reduce", "save")  # raytrain_ft.resilience.faults: where a `freeze` fault stops its rank
 ALERT_POLICIES = ("warn", "restart")
 INTERVAL_MODES = ("fixed", "auto")
 STRATEGIES = ("auto", "ddp", "fsdp", "hsdp")
 LR_SCHEDULES = ("cosine", "wsd")  # raytrain_ft.schedule
-GPU_TYPES = ("A100-40GB", "A100-80GB", "H100", "H200")  # the keys of raytrain_ft.hardware.GPUS
-RECOVERY_MODES = ("restart", "replica")  # raytrain_ft.replicas
-STRAGGLER_ACTIONS = ("warn",)  # raytrain_ft.straggler; rebalance and exclude are not built yet (docs/stragglers.md)
+GPU_TYPES = ("A100-40GB", "A100-80GB", "H100", "H200")  # the keys of raytrain_ft.model.hardware.GPUS
+RECOVERY_MODES = ("restart", "replica")  # raytrain_ft.resilience.replicas
+STRAGGLER_ACTIONS = (
+    "warn",
+)  # raytrain_ft.resilience.straggler; rebalance and exclude are not built yet (docs/stragglers.md)
 MAX_SLOW_FACTOR = 100.0  # a `slow` fault slower than this is a hang: use kind hang
 
 
@@ -62,7 +64,7 @@ class DataSection:
 
 @dataclass
 class ModelSection:
-    preset: str = "tiny"  # tiny | small | 125m | 1b | 7b | 70b (raytrain_ft.model.PRESETS)
+    preset: str = "tiny"  # tiny | small | 125m | 1b | 7b | 70b (raytrain_ft.model.llama.PRESETS)
     dropout: float = 0.0  # attention dropout probability; > 0 makes the RNG state matter
 
 
@@ -95,7 +97,7 @@ class ScalingSection:
 
 @dataclass
 class ParallelSection:
-    strategy: str = "auto"  # ddp / fsdp / hsdp (raytrain_ft.parallel); auto = fsdp when scaling.use_gpu, else ddp
+    strategy: str = "auto"  # ddp / fsdp / hsdp (raytrain_ft.model.parallel); auto = fsdp when scaling.use_gpu, else ddp
     shard_size: int = 0  # hsdp: ranks per shard group (must divide the world size); 0 = the GPUs of one node
     activation_checkpointing: bool = False  # recompute each decoder layer's activations in backward (less memory)
 
@@ -115,7 +117,7 @@ class FailureSection:
 
     * `restart` (default): any failure stops every rank; Ray Train starts the whole group again and
       every rank reloads the last committed checkpoint from storage.
-    * `replica` (`raytrain_ft.replicas`, needs the `[ft]` extra: torchft): every worker is a replica
+    * `replica` (`raytrain_ft.resilience.replicas`, needs the `[ft]` extra: torchft): every worker is a replica
       group holding the full model (DDP-style); when one dies, the others keep training and Ray
       Train replaces only the dead one, which heals from a live peer's memory, not from storage.
       Each step's global batch is dealt over the replicas that joined that step's quorum, and the
@@ -185,7 +187,7 @@ class ValidationSection:
 
 @dataclass
 class StragglerSection:
-    """Straggler detection (`raytrain_ft.straggler`, always on) and what to do about a flagged rank.
+    """Straggler detection (`raytrain_ft.resilience.straggler`, always on) and what to do about a flagged rank.
 
     `action`: `warn` (the default and, for now, the only one: record a `straggler` event and keep
     training; the run's math, split and bits stay exactly those of a run without the detector, and
@@ -200,9 +202,7 @@ class StragglerSection:
 
 @dataclass
 class FaultSpec:
-    kind: str = (
-        MISSING  # one of FAULT_KINDS (raise, kill, kill_during_save, ..., kill_in_setup, ...), see raytrain_ft.faults
-    )
+    kind: str = MISSING  # one of FAULT_KINDS (raise, kill, kill_during_save, ..., kill_in_setup, ...), see faults.py
     step: int = MISSING  # the (first) step at which the fault fires; kill_in_setup/...: the start resuming from >= step
     rank: int = 0  # the rank that fails; -1 = every rank
     steps: int = 1  # spike / nan / slow / slow_save / slow_restore: for this many consecutive steps
@@ -230,7 +230,9 @@ class Config:
     guards: GuardsSection = field(default_factory=GuardsSection)
     validation: ValidationSection = field(default_factory=ValidationSection)
     straggler: StragglerSection = field(default_factory=StragglerSection)
-    faults: list[FaultSpec] = field(default_factory=list)  # injected faults (raytrain_ft.faults), each once per run
+    faults: list[FaultSpec] = field(
+        default_factory=list
+    )  # injected faults (raytrain_ft.resilience.faults), each once per run
 
     @property
     def worker_range(self) -> tuple[int, int]:

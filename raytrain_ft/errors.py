@@ -28,7 +28,8 @@ class CheckpointError(UserError):
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint that cannot be used as stored: bytes that fail their checksums, a missing file or
     checksum record, or a component of the train state missing. The restore falls back to an older
-    checkpoint (`raytrain_ft.checkpoint.Checkpointer.restore`); the message names the checkpoint and the item."""
+    checkpoint (`raytrain_ft.checkpoint.checkpointer.Checkpointer.restore`); the message names the checkpoint
+    and the item."""
 
 
 class StorageFullError(CheckpointError):

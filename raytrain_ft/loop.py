@@ -10,15 +10,15 @@ over its `grad_accum_steps` passes -> gradient reduction across replicas -> clip
 checkpoint snapshot -> optimizer step or skip -> LR scheduler -> advance the data
 position -> held-out validation at its interval (`validation`) -> rank check and replica fingerprint
 at their intervals, across the step's members -> roll back after persistent spikes, else save (after a
-drain notice the members agreed on in the step: `raytrain_ft.preemption`). Who trains a step, the
+drain notice the members agreed on in the step: `raytrain_ft.resilience.preemption`). Who trains a step, the
 split, the gradient reduction across replicas, the agreed skip and whether the step counts are the
 step members' (`replicas`: the whole group under restart recovery, a torchft quorum of replicas under replica
 recovery); the loop calls them the same way in both modes.
 
-What the loop records goes to a `Recorder` (`raytrain_ft.recorder`: rank 0's records, the other
+What the loop records goes to a `Recorder` (`raytrain_ft.telemetry.recorder`: rank 0's records, the other
 ranks' is a `NullRecorder`; under replica recovery each step's participant of rank 0 records it,
 `replicas.Role` says who starts the attempt); nothing is read back from it. What it decides with comes from the
-checkpoint and from `Session.history` (`raytrain_ft.recovery.RunHistory`: the run's start and its
+checkpoint and from `Session.history` (`raytrain_ft.resilience.recovery.RunHistory`: the run's start and its
 failures, attempt starts, hangs and rollbacks).
 
 The per-step side work runs in step hooks (`raytrain_ft.hooks`), in this order: fault injection
@@ -38,31 +38,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from raytrain_ft.checkpoint import Checkpointer, peek, restore_latest
-from raytrain_ft.config import Config
-from raytrain_ft.data.audit import DataAudit
-from raytrain_ft.data.manifest import Manifest, load_manifest
-from raytrain_ft.data.order import steps_per_epoch, window_sample_ids
-from raytrain_ft.data.position import BatchPlan, DataPosition
-from raytrain_ft.errors import ConfigError, StorageFullError
-from raytrain_ft.faults import FaultInjector
-from raytrain_ft.fingerprint import fingerprint
-from raytrain_ft.goodput import GoodputLedger, StepAccount
-from raytrain_ft.guards import NoRollbackTargetError, RankChecks, RollbackLog, SpikeGuard
-from raytrain_ft.hooks import StepHooks, StepResult
-from raytrain_ft.interval import CheckpointSchedule, planning_mtbf_s
-from raytrain_ft.model import lm_loss
-from raytrain_ft.parallel import Parallel, build
-from raytrain_ft.preemption import Preemption, wait_out
-from raytrain_ft.recorder import Gated, NullRecorder
-from raytrain_ft.recovery import RunHistory
-from raytrain_ft.replicas import Share, first_share, role, step_members
-from raytrain_ft.run_folder import complete_steps, end_run, step_path
-from raytrain_ft.schedule import lr_schedule
-from raytrain_ft.session import Session
-from raytrain_ft.step_metrics import StepMetrics
-from raytrain_ft.straggler import ComputeTimer, StragglerDetector, StragglerMonitor
-from raytrain_ft.train_state import (
+from raytrain_ft.checkpoint.checkpointer import Checkpointer, peek, restore_latest
+from raytrain_ft.checkpoint.fingerprint import fingerprint
+from raytrain_ft.checkpoint.interval import CheckpointSchedule, planning_mtbf_s
+from raytrain_ft.checkpoint.train_state import (
     KEY_DATA,
     KEY_GOODPUT,
     KEY_GUARDS,
@@ -82,9 +61,30 @@ from raytrain_ft.train_state import (
     rng_key,
     seed_rngs,
 )
+from raytrain_ft.config import Config
+from raytrain_ft.data.audit import DataAudit
+from raytrain_ft.data.manifest import Manifest, load_manifest
+from raytrain_ft.data.order import steps_per_epoch, window_sample_ids
+from raytrain_ft.data.position import BatchPlan, DataPosition
+from raytrain_ft.errors import ConfigError, StorageFullError
+from raytrain_ft.hooks import StepHooks, StepResult
+from raytrain_ft.model.llama import lm_loss
+from raytrain_ft.model.parallel import Parallel, build
+from raytrain_ft.resilience.faults import FaultInjector
+from raytrain_ft.resilience.guards import NoRollbackTargetError, RankChecks, RollbackLog, SpikeGuard
+from raytrain_ft.resilience.preemption import Preemption, wait_out
+from raytrain_ft.resilience.recovery import RunHistory
+from raytrain_ft.resilience.replicas import Share, first_share, role, step_members
+from raytrain_ft.resilience.straggler import ComputeTimer, StragglerDetector, StragglerMonitor
+from raytrain_ft.resilience.waits import bounded
+from raytrain_ft.resilience.watchdog import StepBeat
+from raytrain_ft.run_folder import complete_steps, end_run, step_path
+from raytrain_ft.schedule import lr_schedule
+from raytrain_ft.session import Session
+from raytrain_ft.telemetry.goodput import GoodputLedger, StepAccount
+from raytrain_ft.telemetry.recorder import Gated, NullRecorder
+from raytrain_ft.telemetry.step_metrics import StepMetrics
 from raytrain_ft.validation import Validation
-from raytrain_ft.waits import bounded
-from raytrain_ft.watchdog import StepBeat
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ def train(cfg: Config, session: Session) -> None:
 
     Raises:
         ConfigError, DataError, CheckpointError: one-line user errors (see `raytrain_ft.errors`).
-        GuardError: a guard ended the attempt (`raytrain_ft.guards`: an alert under
+        GuardError: a guard ended the attempt (`raytrain_ft.resilience.guards`: an alert under
             `guards.on_alert: restart`, ranks disagreeing on a skip, no checkpoint to roll back to).
     """
     trainer = Trainer(cfg, session)
@@ -397,7 +397,7 @@ class Trainer:
     def step(self) -> None:
         """One optimizer step on every rank (collectives: all ranks call it together). Under replica
         recovery a step that does not commit returns early, its data position unchanged: the next
-        call trains the same sequences again (`raytrain_ft.replicas`)."""
+        call trains the same sequences again (`raytrain_ft.resilience.replicas`)."""
         share = self.members.begin()  # who trains this step; a replica behind its peers heals here
         step = self.progress.step + 1
         self.hooks.before_step(step)
@@ -471,7 +471,7 @@ class Trainer:
             self.save_before_preemption(step, leaving)
 
     def save_before_preemption(self, step: int, leaving: int) -> None:
-        """`leaving` members' nodes are drained (`raytrain_ft.preemption`): the members that keep the
+        """`leaving` members' nodes are drained (`raytrain_ft.resilience.preemption`): the members that keep the
         step durable save it (unless this step's periodic save is in flight) and wait until it is
         registered; a doomed rank records the notice and, as a replica, leaves and waits for its node's end."""
         saves = self.members.saves_before_leaving(leaving)

@@ -10,7 +10,7 @@ checked by `raytrain_ft.config.load_config` before it is called; here come
 - the dataset's manifest (when `data.path` is reachable) against `train.seq_len`, the batch and
   the model preset;
 - the memory plan on the configured `scaling.gpu_type` (GPU runs);
-- that the waits' bounds can work together (`raytrain_ft.waits.conflicts`);
+- that the waits' bounds can work together (`raytrain_ft.resilience.waits.conflicts`);
 - that `run.storage_path` is reachable and writable (a probe file is written and removed);
 - that the tracking store answers (`GET /health` of an `http(s)://` server; a SQLite file's folder
   exists and is writable). A deliberate refusal: the driver opens the run's MLflow run before any
@@ -31,17 +31,19 @@ from collections.abc import Callable
 
 import fsspec
 
-from raytrain_ft.checkpoint import corruption_of, load_alone
+from raytrain_ft.checkpoint.checkpointer import corruption_of, load_alone
+from raytrain_ft.checkpoint.fingerprint import check_fingerprint, fingerprint
+from raytrain_ft.checkpoint.integrity import ChecksummedReader
+from raytrain_ft.checkpoint.train_state import KEY_META, RunMeta
 from raytrain_ft.config import Config
 from raytrain_ft.data.manifest import Manifest, load_manifest
 from raytrain_ft.data.position import check_world_sizes
 from raytrain_ft.errors import CheckpointError, ConfigError, CorruptCheckpointError, UserError
-from raytrain_ft.fingerprint import check_fingerprint, fingerprint
-from raytrain_ft.integrity import ChecksummedReader
 from raytrain_ft.loop import check_data_fits
-from raytrain_ft.memory import check_fits, plan_config
-from raytrain_ft.model import model_config
-from raytrain_ft.parallel import mesh_shape, resolve_strategy
+from raytrain_ft.model.llama import model_config
+from raytrain_ft.model.memory import check_fits, plan_config
+from raytrain_ft.model.parallel import mesh_shape, resolve_strategy
+from raytrain_ft.resilience.waits import conflicts
 from raytrain_ft.run_folder import (
     RAY_RUN_STATE,
     complete_steps,
@@ -51,9 +53,7 @@ from raytrain_ft.run_folder import (
     run_root,
     step_path,
 )
-from raytrain_ft.tracking import resolve_uri
-from raytrain_ft.train_state import KEY_META, RunMeta
-from raytrain_ft.waits import conflicts
+from raytrain_ft.telemetry.tracking import resolve_uri
 
 PROBE_TIMEOUT_S = 5.0
 
@@ -246,7 +246,7 @@ def check_checkpoint_compatible(cfg: Config, manifest, run_root: str) -> None:
     path, saved = newest
     import torch
 
-    from raytrain_ft.model import build_model
+    from raytrain_ft.model.llama import build_model
 
     with torch.device("meta"):  # shapes only: no weights are allocated
         num_params = sum(
@@ -258,7 +258,7 @@ def check_checkpoint_compatible(cfg: Config, manifest, run_root: str) -> None:
 
 def newest_checkpoint(run_root: str) -> tuple[str, RunMeta] | None:
     """(path, run metadata) of the newest intact complete checkpoint under `run_root`; None before
-    the first. Corrupt ones (checksums, `raytrain_ft.integrity`) are skipped here: the workers'
+    the first. Corrupt ones (checksums, `raytrain_ft.checkpoint.integrity`) are skipped here: the workers'
     restore falls back past them and records each."""
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -296,13 +296,13 @@ def check_extended(cfg: Config, run_root: str, path: str, saved: RunMeta) -> Non
 
 
 def goodput_projection(cfg: Config) -> str:
-    """One line: the month's goodput `raytrain_ft.planner` projects for `cfg` at its `max` workers
+    """One line: the month's goodput `raytrain_ft.resilience.planner` projects for `cfg` at its `max` workers
     (GPUs, or workers on CPU) with `failure.mtbf_hours_per_gpu`, in its `failure.recovery` mode, at
     its checkpoint interval (`planner.config_interval_s`), with `planner.DEFAULT_COSTS`: the project
     has no estimate of a run's costs before it ran (their 10 s step is `configs/gpu-7b.yaml`'s on 64
     A100s at 40 % MFU); a run's measured ones are `raytrain-ft plan-goodput --from-run RUN`'s.
     `raytrain-ft check` prints it for GPU configs."""
-    from raytrain_ft import planner
+    from raytrain_ft.resilience import planner
 
     costs, workers = planner.DEFAULT_COSTS, cfg.worker_range[1]
     cluster = planner.Cluster(workers, cfg.failure.mtbf_hours_per_gpu)

@@ -3,7 +3,7 @@ there, and the helpers that read and write them. No other module spells a path i
 
     step-<N>/                         a checkpoint (DCP); complete once `.metadata` is written
       .metadata, .checksums           DCP's metadata (written last, by the coordinator); the checksums
-                                      of every stored byte (`raytrain_ft.integrity`)
+                                      of every stored byte (`raytrain_ft.checkpoint.integrity`)
     checkpoint_manager_snapshot.json  Ray Train's record of the committed checkpoints
     latest_checkpoint                 the committed checkpoint of a run without Ray (`LocalSession`)
     last_commit_ack                   the checkpoint Ray last registered (controller callback -> workers)
@@ -200,7 +200,7 @@ def _worker_record(root: str, rank: int) -> str:
 
 def replica_final_file(root: str, replica: int) -> str:
     """`workers/replica<R>.final.json`: replica R's step, state digest and skip count at its end
-    (`raytrain_ft.replicas.Replicas.finish`)."""
+    (`raytrain_ft.resilience.replicas.Replicas.finish`)."""
     return run_file(root, WORKERS_DIR, f"replica{replica}.final.json")
 
 

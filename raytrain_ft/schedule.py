@@ -66,7 +66,7 @@ def decay_start(t: TrainSection) -> int:
 
 
 def extension_refusal(saved: dict, max_steps: int, step: int) -> str | None:
-    """Why a run planned with the fingerprint `saved` (`raytrain_ft.fingerprint.fingerprint`: its
+    """Why a run planned with the fingerprint `saved` (`raytrain_ft.checkpoint.fingerprint.fingerprint`: its
     `train.lr_schedule`, `train.max_steps`, `train.decay_steps`) cannot continue from its checkpoint
     at `step` towards `max_steps` as if it had planned that from the start; None when it can.
 

@@ -13,9 +13,9 @@ from typing import Protocol
 import torch
 
 from raytrain_ft.data.position import BatchPlan
-from raytrain_ft.preemption import Notice
-from raytrain_ft.recorder import Recorder
-from raytrain_ft.recovery import RunHistory
+from raytrain_ft.resilience.preemption import Notice
+from raytrain_ft.resilience.recovery import RunHistory
+from raytrain_ft.telemetry.recorder import Recorder
 
 
 class Session(Protocol):
@@ -23,18 +23,18 @@ class Session(Protocol):
     mlflow_run_id: str  # the run's MLflow run (recorded in each checkpoint)
     rank: int  # this worker's rank in the run (the process group's rank; under replica recovery, the replica's)
     # under replica recovery: the runtime started this worker in place of a failed replica while the
-    # others kept training (`raytrain_ft.replicas.Role`); False otherwise
+    # others kept training (`raytrain_ft.resilience.replicas.Role`); False otherwise
     replacement: bool
     node: str  # this worker's node, as events name it (the Ray node id; the host name without Ray)
 
     def recorder(self, attempt: bool) -> Recorder:
-        """The run's recorder (`raytrain_ft.recorder`). `attempt=True` (rank 0, once per attempt):
+        """The run's recorder (`raytrain_ft.telemetry.recorder`). `attempt=True` (rank 0, once per attempt):
         this attempt's, with a fresh step timeline; `attempt=False`: the run's recorder without a new
         timeline (under replica recovery, a replica that records steps but does not start the attempt)."""
 
     def history(self) -> RunHistory:
         """A copy of the run's history so far (when it began, its failures, attempt starts, hangs and
-        rollbacks; `raytrain_ft.recovery.RunHistory` says who keeps it): what the loop decides with,
+        rollbacks; `raytrain_ft.resilience.recovery.RunHistory` says who keeps it): what the loop decides with,
         instead of reading the tracking store."""
 
     def latest_checkpoint(self) -> str | None:
@@ -48,11 +48,11 @@ class Session(Protocol):
 
     def beat(self, step: int) -> None:
         """This rank completed `step` (called after every step, on every rank): the runtime's progress
-        watchdog (`raytrain_ft.watchdog`) stops a rank that stops beating. Returns at once."""
+        watchdog (`raytrain_ft.resilience.watchdog`) stops a rank that stops beating. Returns at once."""
 
     def preemption_notice(self) -> Notice | None:
         """The drain notice of this worker's node, None while it has none; returns at once (not a
-        collective: `raytrain_ft.preemption` says how the step's members agree on it)."""
+        collective: `raytrain_ft.resilience.preemption` says how the step's members agree on it)."""
 
     def micro_batches(
         self, epoch: int, start: int, stop: int, plan: BatchPlan, rank: int

@@ -2,7 +2,7 @@
 
     python scripts/check_mlflow_ui.py [--screenshot PATH]
 
-Logs a run the way a training run does (`raytrain_ft.tracking.start_or_resume_run` and the real
+Logs a run the way a training run does (`raytrain_ft.telemetry.tracking.start_or_resume_run` and the real
 `StepTimeline`: steps 1-8 live, a commit at 4, a rollback discarding 5-6, steps 5-8 again, the
 final `registered`) plus un-prefixed run metrics, serves the store with `mlflow server` on
 127.0.0.1 (`raytrain_ft.launch.tracking_server.mlflow_server`), opens the run's *Model metrics*
@@ -26,8 +26,8 @@ import time
 from mlflow.tracking import MlflowClient
 
 from raytrain_ft.launch.tracking_server import mlflow_server
-from raytrain_ft.timeline import KEPT, StepTimeline
-from raytrain_ft.tracking import start_or_resume_run
+from raytrain_ft.telemetry.timeline import KEPT, StepTimeline
+from raytrain_ft.telemetry.tracking import start_or_resume_run
 
 SECTION = re.compile(r"(Model metrics|[\w.-]+) \((\d+)\) Add chart")  # a section header: "<name> (<charts>) Add chart"
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from mlflow.tracking import MlflowClient
 
-from raytrain_ft.checkpoint import load_model_state_dict, load_tensors
+from raytrain_ft.checkpoint.checkpointer import load_model_state_dict, load_tensors
 from raytrain_ft.config import TrainSection, load_config
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import EpochOrder, steps_per_epoch
@@ -33,7 +33,7 @@ from raytrain_ft.data.prepare import PrepareSettings, prepare
 from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV
 from raytrain_ft.loop import lr_schedule
 from raytrain_ft.run_folder import step_path
-from raytrain_ft.tracking import MlflowRecorder
+from raytrain_ft.telemetry.tracking import MlflowRecorder
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STDLIB_JSON = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")

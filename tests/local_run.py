@@ -24,7 +24,7 @@ from raytrain_ft.config import Config, from_dict, to_dict
 from raytrain_ft.local_session import LocalSession
 from raytrain_ft.loop import train
 from raytrain_ft.run_folder import run_root
-from raytrain_ft.tracking import MlflowRecorder, flatten, start_or_resume_run
+from raytrain_ft.telemetry.tracking import MlflowRecorder, flatten, start_or_resume_run
 
 # Ranks fork from one server process that imported these once (`multiprocessing` "forkserver"):
 # a spawned rank would import torch, transformers and MLflow again, ~5 s of CPU per rank and attempt.

@@ -50,9 +50,9 @@ from conftest import (
 )
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.launch.driver import restarts_left, run
-from raytrain_ft.recovery import GROUP_START, KILLED, failures, recovery_rows
+from raytrain_ft.resilience.recovery import GROUP_START, KILLED, failures, recovery_rows
 from raytrain_ft.run_folder import COMMIT_ACK_FILE, list_step_dirs, step_of, worker_records
-from raytrain_ft.tracking import MlflowRecorder, steps_logged_since
+from raytrain_ft.telemetry.tracking import MlflowRecorder, steps_logged_since
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

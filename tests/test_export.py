@@ -20,13 +20,13 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import make_config, run_root
-from raytrain_ft.checkpoint import Checkpointer
+from raytrain_ft.checkpoint.checkpointer import Checkpointer
+from raytrain_ft.checkpoint.fingerprint import fingerprint
+from raytrain_ft.checkpoint.train_state import KEY_META, KEY_MODEL, ModelState, RunMeta, TrainState
 from raytrain_ft.cli import main
 from raytrain_ft.data.manifest import load_manifest
-from raytrain_ft.fingerprint import fingerprint
-from raytrain_ft.parallel import build
+from raytrain_ft.model.parallel import build
 from raytrain_ft.run_folder import step_path
-from raytrain_ft.train_state import KEY_META, KEY_MODEL, ModelState, RunMeta, TrainState
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

@@ -4,7 +4,7 @@ The cluster has exactly one worker group's CPUs (2 workers x half of the session
 a placement group left behind by one start leaves the next start nothing to place: in Ray Train 2.60
 a worker lost after the group's state was built and before `WorkerGroup.create` returned leaves a
 half-started group nobody removes (`raytrain_ft.launch.group_start`). Four failures in a row, each at
-another moment, the last three at starts that resume from step 5 (`raytrain_ft.faults`):
+another moment, the last three at starts that resume from step 5 (`raytrain_ft.resilience.faults`):
 
 1. rank 1 killed at step 7 (the step-5 save is committed): Ray Train restarts the group;
 2. rank 1 killed in the process-group setup of that restart (`kill_in_setup`): the driver resumes
@@ -24,8 +24,8 @@ from mlflow.tracking import MlflowClient
 
 from conftest import assert_resumed, assert_same_state, events, final_state, make_config
 from raytrain_ft.launch.driver import run
-from raytrain_ft.recovery import GROUP_START, failures
-from raytrain_ft.tracking import MlflowRecorder
+from raytrain_ft.resilience.recovery import GROUP_START, failures
+from raytrain_ft.telemetry.tracking import MlflowRecorder
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

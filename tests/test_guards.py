@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 
 from conftest import GUARDED, assert_resumed, assert_same_state, events, final_state, make_config
 from local_run import local_run
-from raytrain_ft.checkpoint import load_model_state_dict
+from raytrain_ft.checkpoint.checkpointer import load_model_state_dict
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.run_folder import step_path
 

@@ -23,8 +23,8 @@ from conftest import (
     uninterrupted_lrs,
 )
 from local_run import LocalRunFailed, local_run
+from raytrain_ft.checkpoint.integrity import verify_checkpoint
 from raytrain_ft.errors import CheckpointError
-from raytrain_ft.integrity import verify_checkpoint
 from raytrain_ft.launch.driver import run
 from raytrain_ft.run_folder import committed_steps, step_path
 

@@ -24,10 +24,10 @@ from conftest import (
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.launch.driver import RunFailed, run
 from raytrain_ft.launch.tracking_server import mlflow_server
-from raytrain_ft.loss_plot import loss_figure
-from raytrain_ft.recovery import KILLED, recovery_rows
+from raytrain_ft.resilience.recovery import KILLED, recovery_rows
 from raytrain_ft.run_folder import RUN_ID_FILE
-from raytrain_ft.tracking import MlflowRecorder
+from raytrain_ft.telemetry.plots import loss_figure
+from raytrain_ft.telemetry.tracking import MlflowRecorder
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

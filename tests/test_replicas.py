@@ -46,8 +46,8 @@ from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import window_sample_ids
 from raytrain_ft.data.position import BatchPlan, DataPosition
 from raytrain_ft.launch.driver import run
-from raytrain_ft.recovery import KILLED, recovery_rows, replacement_rows
-from raytrain_ft.replicas import state_digest
+from raytrain_ft.resilience.recovery import KILLED, recovery_rows, replacement_rows
+from raytrain_ft.resilience.replicas import state_digest
 from raytrain_ft.run_folder import (
     complete_steps,
     fault_marker,
@@ -56,7 +56,7 @@ from raytrain_ft.run_folder import (
     step_path,
     worker_records,
 )
-from raytrain_ft.tracking import MlflowRecorder, steps_logged_since
+from raytrain_ft.telemetry.tracking import MlflowRecorder, steps_logged_since
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

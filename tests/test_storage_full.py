@@ -12,7 +12,7 @@ from conftest import make_config, step_dirs
 from raytrain_ft.errors import StorageFullError
 from raytrain_ft.launch.driver import run
 from raytrain_ft.run_folder import RUN_ID_FILE
-from raytrain_ft.tracking import MlflowRecorder
+from raytrain_ft.telemetry.tracking import MlflowRecorder
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

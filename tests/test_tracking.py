@@ -23,7 +23,7 @@ from raytrain_ft.launch.callbacks import FailureRecorder
 from raytrain_ft.launch.recorder_actor import RemoteRecorder, close, start_recorder_actor
 from raytrain_ft.launch.tracking_server import lasting_path, mlflow_server
 from raytrain_ft.run_folder import read_latest, step_path
-from raytrain_ft.tracking import MlflowRecorder, start_or_resume_run
+from raytrain_ft.telemetry.tracking import MlflowRecorder, start_or_resume_run
 
 
 def test_history_of_an_unknown_run_is_one_line_naming_the_store(tmp_path, monkeypatch, capsys):

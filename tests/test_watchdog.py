@@ -31,8 +31,8 @@ from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import window_sample_ids
 from raytrain_ft.data.position import BatchPlan, DataPosition
 from raytrain_ft.launch.driver import run
-from raytrain_ft.recovery import failures
-from raytrain_ft.replicas import state_digest
+from raytrain_ft.resilience.recovery import failures
+from raytrain_ft.resilience.replicas import state_digest
 from raytrain_ft.run_folder import replica_final_file
 
 pytestmark = pytest.mark.usefixtures("ray_local")

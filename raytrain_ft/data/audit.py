@@ -1,6 +1,6 @@
 """Data audit (`data.audit: true`): which sample ids every rank consumed at every step.
 
-Rank 0 gathers each step's ids (`raytrain_ft.replicas`' `gather`: an `all_gather` of a fixed-size
+Rank 0 gathers each step's ids (`raytrain_ft.resilience.replicas`' `gather`: an `all_gather` of a fixed-size
 int64 tensor on a CPU gloo group, or, under replica recovery, over the step's replicas, each of which
 buffers them as its group's rank 0) and buffers them; at every checkpoint commit the buffer is written to
 `<run folder>/audit/<time_ns>-<first step>-<last step>.parquet` (columns `step`, `rank`,
@@ -34,7 +34,7 @@ class DataAudit(StepHook):
 
     def __init__(self, run_root: str, gather: Callable[[torch.Tensor], torch.Tensor], enabled: bool, width: int):
         """`gather`: (width,) int64 of this rank -> (ranks of the step, width) of every rank that trains
-        the step (`raytrain_ft.replicas`: the whole group, or a step's replicas); `width`: the most
+        the step (`raytrain_ft.resilience.replicas`: the whole group, or a step's replicas); `width`: the most
         sample ids a rank trains per step (`BatchPlan.max_share`)."""
         self.run_root, self.gather, self.enabled, self.width = run_root.rstrip("/"), gather, enabled, width
         self.rows: list[tuple[int, np.ndarray]] = []  # (step, ids of shape (world_size, width), PAD where shorter)
@@ -63,7 +63,7 @@ class DataAudit(StepHook):
     def state_dict(self) -> dict:
         """The buffered (not yet written) steps: `steps` (n,) int64 and `ids`, n int64 tensors of
         shape (ranks of the step, width). Not checkpointed: a replica that heals under replica
-        recovery takes its peer's (`raytrain_ft.replicas`), so the steps trained before it joined
+        recovery takes its peer's (`raytrain_ft.resilience.replicas`), so the steps trained before it joined
         are written by whichever replica commits the next checkpoint."""
         return {
             "steps": torch.tensor([s for s, _ in self.rows], dtype=torch.int64),

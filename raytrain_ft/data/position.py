@@ -24,7 +24,7 @@ extra lane reads per step; 1.18 reads per lane for gpu-7b at W=63). `batch_balan
 
 The gradient is that of the mean loss over the G sequences whatever the split: the loop weighs a
 pass of n sequences by `n x W / G` (`BatchPlan.pass_weight`), and every strategy averages
-gradients over the W ranks (`raytrain_ft.parallel`), so the sum over ranks and passes is
+gradients over the W ranks (`raytrain_ft.model.parallel`), so the sum over ranks and passes is
 `sum(per-sequence loss) / G`.
 
 Epoch end: an epoch has `steps_per_epoch` full steps (`raytrain_ft.data.order`); the samples the

@@ -16,7 +16,7 @@ from ray.train.v2.api.callback import UserCallback
 
 from raytrain_ft.launch.group_start import baseline_resources, short, start_timeout_s
 from raytrain_ft.launch.recorder_actor import RemoteRecorder
-from raytrain_ft.recovery import CONSEQUENCE, GROUP_START, KILLED, cause_text
+from raytrain_ft.resilience.recovery import CONSEQUENCE, GROUP_START, KILLED, cause_text
 from raytrain_ft.run_folder import write_commit_ack
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class FailureRecorder(ControllerCallback):
     Each failure of the worker group that Ray Train decides on (a `WorkerGroupError`: the controller
     moves to `RestartingState`, or to `ErroredState` when no restart is left) becomes one `failure`
     event: the short cause per rank (`plain_cause`) as a tag and in the event, Ray's full text per rank
-    under `details` (`raytrain_ft.recovery` turns the events into the recovery history and the `restarts`
+    under `details` (`raytrain_ft.resilience.recovery` turns the events into the recovery history and the `restarts`
     metric when the next attempt starts). One event per decision, however many polls reported the
     ranks' errors and whether or not the attempt got as far as its restore: every restart is counted
     once, as Ray Train counts it against `max_failures`.

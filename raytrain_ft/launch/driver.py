@@ -25,12 +25,12 @@ from raytrain_ft.launch.start_faults import StartFaultConfig, StartFaults
 from raytrain_ft.launch.tracking_server import lasting_path, tracking_store
 from raytrain_ft.launch.worker import train_func
 from raytrain_ft.preflight import newest_checkpoint, problems
-from raytrain_ft.recovery import GROUP_START, failures, root_first, who
-from raytrain_ft.replicas import LIGHTHOUSE
+from raytrain_ft.resilience.recovery import GROUP_START, failures, root_first, who
+from raytrain_ft.resilience.replicas import LIGHTHOUSE
+from raytrain_ft.resilience.waits import HEALTH_CHECK_INTERVAL_S
 from raytrain_ft.run_folder import raise_if_ended, record_extension, run_root, step_of
 from raytrain_ft.schedule import extension_refusal
-from raytrain_ft.tracking import MlflowRecorder, flatten, resolve_uri, start_or_resume_run
-from raytrain_ft.waits import HEALTH_CHECK_INTERVAL_S
+from raytrain_ft.telemetry.tracking import MlflowRecorder, flatten, resolve_uri, start_or_resume_run
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ def _torch_trainer(
 
 def torch_config(cfg: Config, run_root: str) -> TorchConfig:
     """Ray Train's torch backend: one process group of every worker, or under `failure.recovery:
-    replica` one per replica group (one worker each) and a torchft lighthouse (`raytrain_ft.replicas`),
+    replica` one per replica group (one worker each) and a torchft lighthouse (`raytrain_ft.resilience.replicas`),
     which marks a replacement replica (`launch.replica_backend`). With `kill_in_setup` faults (restart
     mode) the backend fires them (`launch.start_faults`) for the run in `run_root`."""
     backend, timeout_s = "nccl" if cfg.scaling.use_gpu else "gloo", cfg.failure.collective_timeout_s

@@ -8,7 +8,7 @@ runs workers is a preemption: Ray's raylet refuses an idle-termination drain of 
 
 `DrainWatcher` polls it in a daemon thread of every worker, every `POLL_INTERVAL_S`, for the
 worker's own node: `notice()` never waits (the loop asks every step; the step's members agree on it
-in their own all-reduce, `raytrain_ft.preemption`).
+in their own all-reduce, `raytrain_ft.resilience.preemption`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import ray
 
-from raytrain_ft.preemption import Notice
+from raytrain_ft.resilience.preemption import Notice
 
 log = logging.getLogger(__name__)
 

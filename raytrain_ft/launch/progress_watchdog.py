@@ -1,10 +1,10 @@
 """The driver's progress watchdog: a run whose ranks complete no step within their bound ends the
-attempt as a counted failure, with every worker's stacks recorded (`raytrain_ft.watchdog` decides).
+attempt as a counted failure, with every worker's stacks recorded (`raytrain_ft.resilience.watchdog` decides).
 
 Pieces, all started by the driver (`raytrain_ft.launch.driver`):
 
 * `ProgressWatchdog`, a Ray actor on the driver's node (0 CPU, lives as long as the job): it holds
-  `raytrain_ft.watchdog.Progress`, receives every rank's step beats (`beat`, sent by
+  `raytrain_ft.resilience.watchdog.Progress`, receives every rank's step beats (`beat`, sent by
   `RaySession.beat`, not waited for) and checks the bounds every `POLL_S` seconds in a thread of its
   own. It is an actor, not a thread in the driver process, because the workers and Ray Train's
   controller must reach it, and not a controller callback, because the controller blocks in the
@@ -45,8 +45,8 @@ from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ft.launch.recorder_actor import RemoteRecorder
+from raytrain_ft.resilience.watchdog import Progress, Stall
 from raytrain_ft.run_folder import stacks_path
-from raytrain_ft.watchdog import Progress, Stall
 
 log = logging.getLogger(__name__)
 

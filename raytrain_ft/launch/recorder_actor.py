@@ -7,7 +7,7 @@ starts one `RecorderActor` per submission on its own node (`start_recorder_actor
 reaches the same tracking URI as the driver, which `raytrain_ft.launch.tracking_server` makes
 reachable from every node); rank 0, the controller callback and the driver record through a
 `RemoteRecorder`, the `Recorder` interface with each call run by the actor. The actor also keeps
-the run's `RunHistory` (`raytrain_ft.recovery`) that workers read through `RaySession.history`.
+the run's `RunHistory` (`raytrain_ft.resilience.recovery`) that workers read through `RaySession.history`.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raytrain_ft.recorder import Recorder
-from raytrain_ft.recovery import RunHistory
+from raytrain_ft.resilience.recovery import RunHistory
+from raytrain_ft.telemetry.recorder import Recorder
 
 if TYPE_CHECKING:
-    from raytrain_ft.tracking import MlflowRecorder
+    from raytrain_ft.telemetry.tracking import MlflowRecorder
 
 WAIT_TIMEOUT_S = 120.0  # a caller's wait for the actor (which answers without waiting on the store)
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class RecorderActor:
     actor itself restarted) and then kept up to date by every event recorded here."""
 
     def __init__(self, uri: str, run_id: str, timeout_s: float = 30.0):
-        from raytrain_ft.tracking import MlflowRecorder, Outbox, bound_requests  # MLflow: in this actor only
+        from raytrain_ft.telemetry.tracking import MlflowRecorder, Outbox, bound_requests  # MLflow: in this actor only
 
         bound_requests(timeout_s)  # each request gives up after `timeout_s`; the outbox retries
         first = MlflowRecorder(uri, run_id, timeout_s=timeout_s)

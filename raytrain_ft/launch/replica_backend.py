@@ -5,7 +5,7 @@ Ray Train starts a whole worker group (`WorkerGroup`: the run's start, or a rest
 replica) or replaces one replica group (`ReplicaGroup`), and calls the backend's `on_start` on
 what it started, before the train function runs. `ReplicaBackend` sets `replicas.REPLACEMENT_ENV`
 there ("1" in a replacement), so the replica knows Ray's own decision instead of guessing it from
-timings: a replacement starts no attempt of the run (`raytrain_ft.replicas.Role`). A module of its
+timings: a replacement starts no attempt of the run (`raytrain_ft.resilience.replicas.Role`). A module of its
 own: Ray ships the backend to the workers, which import it (no MLflow here).
 """
 
@@ -16,7 +16,7 @@ import os
 from ray.train.v2._internal.execution.worker_group import ReplicaGroup
 from ray.train.v2.torch.torchft_config import TorchftConfig, _TorchftBackend
 
-from raytrain_ft.replicas import REPLACEMENT_ENV
+from raytrain_ft.resilience.replicas import REPLACEMENT_ENV
 
 
 def mark_replacement(replacement: bool) -> None:

@@ -1,4 +1,4 @@
-"""The group-start faults that fire on the controller (`raytrain_ft.faults`): `kill_in_setup` and
+"""The group-start faults that fire on the controller (`raytrain_ft.resilience.faults`): `kill_in_setup` and
 `kill_at_launch`, for tests and demos of failures that cluster around a worker-group start.
 
 `kill_in_setup` fires inside Ray Train's backend setup: `StartFaultConfig`'s backend sets up the
@@ -24,7 +24,7 @@ from ray.train.torch.config import _TorchBackend
 from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 
 from raytrain_ft.config import FaultSpec
-from raytrain_ft.faults import mark, start_faults_due
+from raytrain_ft.resilience.faults import mark, start_faults_due
 from raytrain_ft.run_folder import read_commit_ack, step_of
 
 

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 import ray
 
 from raytrain_ft.errors import ConfigError, UserError
-from raytrain_ft.tracking import resolve_uri
+from raytrain_ft.telemetry.tracking import resolve_uri
 
 RAY_WORKING_DIR_MARK = os.sep + os.path.join("runtime_resources", "working_dir_files") + os.sep
 SERVER_START_TIMEOUT_S = 180.0

@@ -12,18 +12,18 @@ import torch
 from ray.train import Checkpoint, CheckpointUploadMode
 
 from raytrain_ft import loop
-from raytrain_ft.checkpoint import prune
+from raytrain_ft.checkpoint.checkpointer import prune
 from raytrain_ft.config import from_dict
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.launch.datasource import rank_micro_batches
 from raytrain_ft.launch.preemption import DrainWatcher
 from raytrain_ft.launch.recorder_actor import WAIT_TIMEOUT_S, RemoteRecorder
-from raytrain_ft.preemption import Notice
-from raytrain_ft.recovery import RunHistory
-from raytrain_ft.replicas import REPLACEMENT_ENV
+from raytrain_ft.resilience.preemption import Notice
+from raytrain_ft.resilience.recovery import RunHistory
+from raytrain_ft.resilience.replicas import REPLACEMENT_ENV
+from raytrain_ft.resilience.waits import wait_for
 from raytrain_ft.run_folder import read_commit_ack, read_latest, step_of, write_latest, write_worker_record
-from raytrain_ft.waits import wait_for
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class RaySession:
 
 
 class ReplicaSession(RaySession):
-    """`Session` of one replica under `failure.recovery: replica` (`raytrain_ft.replicas`): nothing
+    """`Session` of one replica under `failure.recovery: replica` (`raytrain_ft.resilience.replicas`): nothing
     here waits on another Ray Train worker. `ray.train.report` and `get_preemption_info` are
     barriers over every worker, and a survivor blocked in one while its replacement waits in the
     torchft quorum deadlocks. So the replica that wrote a checkpoint (the step's participant of rank

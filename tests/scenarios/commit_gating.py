@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from raytrain_ft.checkpoint import Checkpointer, restore_latest
-from raytrain_ft.recorder import NullRecorder
-from raytrain_ft.train_state import KEY_META, KEY_MODEL, ModelState, RunMeta, TrainState
+from raytrain_ft.checkpoint.checkpointer import Checkpointer, restore_latest
+from raytrain_ft.checkpoint.train_state import KEY_META, KEY_MODEL, ModelState, RunMeta, TrainState
+from raytrain_ft.telemetry.recorder import NullRecorder
 
 WORLD_SIZE = 2
 FSIZE_LIMIT = 4096  # bytes: below each rank's own 64x64 float32 weight (16 KiB in its DCP file)

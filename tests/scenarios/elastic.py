@@ -23,7 +23,7 @@ from ray.cluster_utils import Cluster
 
 from raytrain_ft.config import Config, load_config
 from raytrain_ft.launch.driver import WORKER_ENV, run
-from raytrain_ft.tracking import MlflowRecorder
+from raytrain_ft.telemetry.tracking import MlflowRecorder
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

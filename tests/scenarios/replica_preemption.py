@@ -27,7 +27,7 @@ from ray.cluster_utils import Cluster
 from raytrain_ft.config import Config, load_config
 from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV, run
 from raytrain_ft.run_folder import read_latest, step_of, worker_records
-from raytrain_ft.tracking import MlflowRecorder
+from raytrain_ft.telemetry.tracking import MlflowRecorder
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 90

@@ -6,7 +6,7 @@ Run by tests/test_sharding.py in a subprocess. Usage:
 
 OUT/result.json always gets {"world_size": 2, ...}.
 
-* `NAME=CHECKPOINT=STRATEGY`: build the tiny model under STRATEGY at 2 ranks (`raytrain_ft.parallel`),
+* `NAME=CHECKPOINT=STRATEGY`: build the tiny model under STRATEGY at 2 ranks (`raytrain_ft.model.parallel`),
   load the model and AdamW state of CHECKPOINT into it (DCP, as `Checkpointer.restore` does), gather
   the full tensors and write them (rank 0) to OUT/NAME.pt, keyed like `conftest.final_state`.
 * `--bytes PRESET=VOCAB=SEQ_LEN`: for ddp and fsdp, one forward/backward (each rank its own
@@ -31,10 +31,10 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
+from raytrain_ft.checkpoint.train_state import KEY_MODEL, KEY_OPTIM, ModelState, OptimizerState
 from raytrain_ft.config import load_config
-from raytrain_ft.model import lm_loss
-from raytrain_ft.parallel import build, local
-from raytrain_ft.train_state import KEY_MODEL, KEY_OPTIM, ModelState, OptimizerState
+from raytrain_ft.model.llama import lm_loss
+from raytrain_ft.model.parallel import build, local
 
 WORLD_SIZE = 2
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from raytrain_ft.data.audit import DataAudit, read_audit
 from raytrain_ft.data.position import BatchPlan
-from raytrain_ft.replicas import Share, WholeGroup
+from raytrain_ft.resilience.replicas import Share, WholeGroup
 from raytrain_ft.run_folder import AUDIT_DIR
 
 

@@ -16,13 +16,13 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from raytrain_ft.checkpoint import load_model_state_dict
+from raytrain_ft.checkpoint.checkpointer import load_model_state_dict
+from raytrain_ft.checkpoint.integrity import ChecksummedWriter
+from raytrain_ft.checkpoint.train_state import KEY_META, KEY_MODEL, KEY_PROGRESS, Pickled, Progress
 from raytrain_ft.cli import main
 from raytrain_ft.errors import CheckpointError, DataError, UserError
-from raytrain_ft.export import INDEX_FILE, export_checkpoint, read_meta
-from raytrain_ft.integrity import ChecksummedWriter
-from raytrain_ft.tracking import start_or_resume_run
-from raytrain_ft.train_state import KEY_META, KEY_MODEL, KEY_PROGRESS, Pickled, Progress
+from raytrain_ft.model.export import INDEX_FILE, export_checkpoint, read_meta
+from raytrain_ft.telemetry.tracking import start_or_resume_run
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 from export_memory import measure, synthetic_checkpoint, synthetic_dataset  # noqa: E402

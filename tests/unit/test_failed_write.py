@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from raytrain_ft import checkpoint
-from raytrain_ft.checkpoint import Checkpointer
+from raytrain_ft.checkpoint import checkpointer as checkpoint
+from raytrain_ft.checkpoint.checkpointer import Checkpointer
+from raytrain_ft.checkpoint.integrity import ChecksummedWriter
+from raytrain_ft.checkpoint.train_state import KEY_MODEL, ModelState, TrainState
 from raytrain_ft.errors import StorageFullError
-from raytrain_ft.integrity import ChecksummedWriter
-from raytrain_ft.train_state import KEY_MODEL, ModelState, TrainState
 
 
 def failing_writer(error: BaseException) -> type[ChecksummedWriter]:

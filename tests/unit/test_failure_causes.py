@@ -5,10 +5,18 @@ from __future__ import annotations
 import pytest
 
 from raytrain_ft.config import load_config
-from raytrain_ft.faults import InjectedFault
 from raytrain_ft.launch.callbacks import describe, plain_cause
 from raytrain_ft.launch.driver import MAX_LINE, failure_line
-from raytrain_ft.recovery import CONSEQUENCE, KILLED, cause_text, guard_rows, recovery_rows, replacement_rows, totals
+from raytrain_ft.resilience.faults import InjectedFault
+from raytrain_ft.resilience.recovery import (
+    CONSEQUENCE,
+    KILLED,
+    cause_text,
+    guard_rows,
+    recovery_rows,
+    replacement_rows,
+    totals,
+)
 
 # Ray 2.60's and torch 2.13's own words, captured on this machine: an actor that called os._exit
 # (SIGKILL reads the same), one that called sys.exit(3), a gloo all_reduce whose peer never joined

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_ft.goodput import GAP_PARTS, GoodputLedger, classify_gap
+from raytrain_ft.telemetry.goodput import GAP_PARTS, GoodputLedger, classify_gap
 
 # A run created at t=0: first attempt's workers start at 5, restored at 8; a failure at 20 (the
 # controller reports it twice, once per failed rank); next attempt starts at 27, restored at 30;

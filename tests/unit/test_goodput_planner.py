@@ -1,4 +1,4 @@
-"""The goodput planner (`raytrain_ft.planner`) and `raytrain-ft plan-goodput`: the simulation against
+"""The goodput planner (`raytrain_ft.resilience.planner`) and `raytrain-ft plan-goodput`: the simulation against
 the first-order closed form, against the goodput benchmark's measurements, and the command. No Ray."""
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ import pytest
 from mlflow.entities import Metric
 
 from conftest import REPO, sqlite_store
-from raytrain_ft import planner
+from raytrain_ft.checkpoint.interval import daly_interval_s, expected_waste_fraction, young_interval_s
 from raytrain_ft.cli import main
 from raytrain_ft.config import load_config
-from raytrain_ft.interval import daly_interval_s, expected_waste_fraction, young_interval_s
-from raytrain_ft.planner import Cluster, Costs, Month
 from raytrain_ft.preflight import goodput_projection
-from raytrain_ft.recovery import KILLED
-from raytrain_ft.replicas import LIGHTHOUSE
-from raytrain_ft.tracking import MlflowRecorder, start_or_resume_run
+from raytrain_ft.resilience import planner
+from raytrain_ft.resilience.planner import Cluster, Costs, Month
+from raytrain_ft.resilience.recovery import KILLED
+from raytrain_ft.resilience.replicas import LIGHTHOUSE
+from raytrain_ft.telemetry.tracking import MlflowRecorder, start_or_resume_run
 
 REFERENCE = Cluster(gpus=1_000, mtbf_hours=10_000.0)  # cluster MTBF 36,000 s (docs/fault-tolerance.md)
 BENCHMARK = os.path.join(REPO, "benchmarks", "results", "goodput.json")
@@ -95,7 +95,7 @@ def benchmark_prediction(rd: dict, mode: str) -> tuple[float, float]:
     survivors' commit and the replacement's join (replica, 2 replicas). The save's commit latency is
     not in the JSON: one step (a save commits at the poll after its write finished, the end of the
     next step at the earliest; the `small` model's write takes less than a step). The run's ledger
-    counts the survivors' degraded steps as productive (`raytrain_ft.goodput`), so the comparison
+    counts the survivors' degraded steps as productive (`raytrain_ft.telemetry.goodput`), so the comparison
     adds the planner's `degraded_steps` back."""
     run = rd[mode]
     s, kills, step = run["summary"], run["recoveries"], run["median_step_time_s"]

@@ -8,7 +8,7 @@ import json
 from mlflow.tracking import MlflowClient
 
 from raytrain_ft.cli import main
-from raytrain_ft.tracking import MlflowRecorder, start_or_resume_run
+from raytrain_ft.telemetry.tracking import MlflowRecorder, start_or_resume_run
 
 
 def test_history_and_runs_print_one_json_object_with_the_rows_and_the_events(tmp_path, capsys):

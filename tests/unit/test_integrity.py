@@ -16,12 +16,9 @@ import xxhash
 
 from conftest import flip_bit, stored_item
 from raytrain_ft import cli
-from raytrain_ft.checkpoint import Checkpointer
-from raytrain_ft.data.position import DataPosition
-from raytrain_ft.errors import CheckpointError
-from raytrain_ft.integrity import verify_checkpoint
-from raytrain_ft.run_folder import CHECKSUM_FILE, step_path
-from raytrain_ft.train_state import (
+from raytrain_ft.checkpoint.checkpointer import Checkpointer
+from raytrain_ft.checkpoint.integrity import verify_checkpoint
+from raytrain_ft.checkpoint.train_state import (
     COMPONENT_KEYS,
     KEY_DATA,
     KEY_META,
@@ -37,6 +34,9 @@ from raytrain_ft.train_state import (
     missing_components,
     rng_key,
 )
+from raytrain_ft.data.position import DataPosition
+from raytrain_ft.errors import CheckpointError
+from raytrain_ft.run_folder import CHECKSUM_FILE, step_path
 
 
 class Run:
@@ -232,7 +232,7 @@ def test_verify_command_prints_one_row_per_checkpoint_and_fails_on_a_corrupt_one
 
 def test_every_item_carries_a_checksum_written_on_the_save_thread(saved, monkeypatch):
     # the hashing runs where DCP writes: not on the thread that called save()
-    import raytrain_ft.integrity as integrity
+    import raytrain_ft.checkpoint.integrity as integrity
 
     threads = set()
     real = integrity._HashingStream.write

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from raytrain_ft.interval import (
+from raytrain_ft.checkpoint.interval import (
     CheckpointSchedule,
     cluster_mtbf_s,
     daly_interval_s,

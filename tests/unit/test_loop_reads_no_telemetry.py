@@ -39,5 +39,6 @@ def test_the_loop_reads_nothing_back_from_tracking():
     }
     imported |= {n.module or "" for n in ast.walk(ast.parse(SOURCE)) if isinstance(n, ast.ImportFrom)}
     assert not any(
-        name.split(".")[0] in ("mlflow", "raytrain_ft.tracking") or name == "raytrain_ft.tracking" for name in imported
+        name.split(".")[0] in ("mlflow", "raytrain_ft.telemetry.tracking") or name == "raytrain_ft.telemetry.tracking"
+        for name in imported
     )

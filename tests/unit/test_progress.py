@@ -7,11 +7,11 @@ import torch
 
 from raytrain_ft.config import load_config
 from raytrain_ft.data.position import BatchPlan, DataPosition
-from raytrain_ft.guards import SpikeGuard
 from raytrain_ft.hooks import StepResult
-from raytrain_ft.model import build_model
-from raytrain_ft.recorder import NullRecorder
-from raytrain_ft.step_metrics import StepMetrics, eta_seconds, progress_line
+from raytrain_ft.model.llama import build_model
+from raytrain_ft.resilience.guards import SpikeGuard
+from raytrain_ft.telemetry.recorder import NullRecorder
+from raytrain_ft.telemetry.step_metrics import StepMetrics, eta_seconds, progress_line
 
 
 def test_the_eta_extrapolates_the_mean_wall_time_of_the_recent_steps():

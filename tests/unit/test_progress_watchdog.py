@@ -1,11 +1,11 @@
-"""The driver's progress watchdog decisions (`raytrain_ft.watchdog.Progress`), without Ray: which bound
+"""The driver's progress watchdog decisions (`raytrain_ft.resilience.watchdog.Progress`), without Ray: which bound
 applies, when it fires, and which ranks did not arrive."""
 
 from __future__ import annotations
 
 import pytest
 
-from raytrain_ft.watchdog import MIN_STEP_TIMEOUT_S, Progress, StepBeat
+from raytrain_ft.resilience.watchdog import MIN_STEP_TIMEOUT_S, Progress, StepBeat
 
 
 def two_ranks(step_timeout_s: float = 10.0, start_timeout_s: float = 60.0, max_steps: int = 30) -> Progress:

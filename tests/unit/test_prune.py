@@ -1,6 +1,6 @@
 """`checkpoint.prune`: retention for commits made without Ray Train (replica recovery)."""
 
-from raytrain_ft.checkpoint import list_step_dirs, prune, step_path
+from raytrain_ft.checkpoint.checkpointer import list_step_dirs, prune, step_path
 
 
 def test_prune_keeps_the_newest_complete_checkpoints_and_drops_older_partial_ones(tmp_path):

@@ -15,15 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raytrain_ft.config import FingerprintSection, GuardsSection, RankCheckSection, load_config
-from raytrain_ft.data.audit import DataAudit
-from raytrain_ft.data.position import BatchPlan, DataPosition
-from raytrain_ft.guards import RankChecks, RankSpreadError, ReplicaMismatchError, SpikeGuard, replica_checksum
-from raytrain_ft.parallel import Parallel
-from raytrain_ft.recorder import Gated, NullRecorder, Recorder
-from raytrain_ft.replicas import Replicas, Share, flat_optimizer_state, state_digest
-from raytrain_ft.run_folder import replica_final_file
-from raytrain_ft.train_state import (
+from raytrain_ft.checkpoint.train_state import (
     KEY_DATA,
     KEY_GUARDS,
     KEY_MODEL,
@@ -35,6 +27,20 @@ from raytrain_ft.train_state import (
     Progress,
     TrainState,
 )
+from raytrain_ft.config import FingerprintSection, GuardsSection, RankCheckSection, load_config
+from raytrain_ft.data.audit import DataAudit
+from raytrain_ft.data.position import BatchPlan, DataPosition
+from raytrain_ft.model.parallel import Parallel
+from raytrain_ft.resilience.guards import (
+    RankChecks,
+    RankSpreadError,
+    ReplicaMismatchError,
+    SpikeGuard,
+    replica_checksum,
+)
+from raytrain_ft.resilience.replicas import Replicas, Share, flat_optimizer_state, state_digest
+from raytrain_ft.run_folder import replica_final_file
+from raytrain_ft.telemetry.recorder import Gated, NullRecorder, Recorder
 
 torchft = pytest.importorskip("torchft")
 

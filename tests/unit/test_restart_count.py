@@ -18,7 +18,7 @@ from ray.train.v2._internal.execution.controller.state import (
 from raytrain_ft.launch.callbacks import decided_failure, lost_in_setup, start_timed_out, start_timeout_cause
 from raytrain_ft.launch.driver import failed_during_group_start
 from raytrain_ft.launch.group_start import START_TIMEOUT_ENV
-from raytrain_ft.recovery import CONSEQUENCE, GROUP_START, KILLED, failures, recovery_rows, totals
+from raytrain_ft.resilience.recovery import CONSEQUENCE, GROUP_START, KILLED, failures, recovery_rows, totals
 
 
 def failure(t: float, causes: dict, **fields) -> dict:

@@ -1,5 +1,5 @@
 """The run folder's names and readers (`raytrain_ft.run_folder`), and the one fingerprint comparison
-the driver's preflight and the restore share (`raytrain_ft.fingerprint.check_fingerprint`)."""
+the driver's preflight and the restore share (`raytrain_ft.checkpoint.fingerprint.check_fingerprint`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from raytrain_ft.checkpoint.fingerprint import check_fingerprint
 from raytrain_ft.errors import CheckpointError
-from raytrain_ft.fingerprint import check_fingerprint
 from raytrain_ft.run_folder import RAY_RUN_STATE, committed_steps, complete_steps, step_of, step_path
 
 

@@ -1,12 +1,12 @@
 """The run history the loop decides with (`recovery.RunHistory`) and the recorder interface it
-records through (`raytrain_ft.recorder`): every implementation implements all of it."""
+records through (`raytrain_ft.telemetry.recorder`): every implementation implements all of it."""
 
 from __future__ import annotations
 
 from raytrain_ft.launch.recorder_actor import RemoteRecorder
-from raytrain_ft.recorder import NullRecorder, Recorder
-from raytrain_ft.recovery import RunHistory
-from raytrain_ft.tracking import MlflowRecorder
+from raytrain_ft.resilience.recovery import RunHistory
+from raytrain_ft.telemetry.recorder import NullRecorder, Recorder
+from raytrain_ft.telemetry.tracking import MlflowRecorder
 
 
 def test_the_history_keeps_the_control_events_in_time_order_without_rays_full_text():

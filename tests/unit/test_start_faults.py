@@ -1,9 +1,9 @@
-"""When the group-start faults fire (`raytrain_ft.faults.start_faults_due`): no Ray, the markers only."""
+"""When the group-start faults fire (`raytrain_ft.resilience.faults.start_faults_due`): no Ray, the markers only."""
 
 from __future__ import annotations
 
 from raytrain_ft.config import FaultSpec
-from raytrain_ft.faults import mark, start_faults_due
+from raytrain_ft.resilience.faults import mark, start_faults_due
 
 FAULTS = list(
     enumerate(

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from raytrain_ft.straggler import ComputeTimer, Straggler, StragglerDetector, slowness
+from raytrain_ft.resilience.straggler import ComputeTimer, Straggler, StragglerDetector, slowness
 
 
 def test_slowness_compares_each_rank_with_the_median_of_the_others():

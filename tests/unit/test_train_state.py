@@ -11,13 +11,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import assert_tensors_equal
-from raytrain_ft.checkpoint import Checkpointer, _SlowWriter, load_model_state_dict
-from raytrain_ft.config import TrainSection
-from raytrain_ft.errors import CheckpointError
-from raytrain_ft.integrity import ChecksummedWriter
-from raytrain_ft.loop import lr_schedule
-from raytrain_ft.run_folder import step_path
-from raytrain_ft.train_state import (
+from raytrain_ft.checkpoint.checkpointer import Checkpointer, _SlowWriter, load_model_state_dict
+from raytrain_ft.checkpoint.integrity import ChecksummedWriter
+from raytrain_ft.checkpoint.train_state import (
     KEY_META,
     KEY_MODEL,
     KEY_OPTIM,
@@ -29,6 +25,10 @@ from raytrain_ft.train_state import (
     RunMeta,
     TrainState,
 )
+from raytrain_ft.config import TrainSection
+from raytrain_ft.errors import CheckpointError
+from raytrain_ft.loop import lr_schedule
+from raytrain_ft.run_folder import step_path
 
 
 def test_rng_states_round_trip_exactly(tmp_path):

@@ -8,15 +8,15 @@ from datetime import timedelta
 import pytest
 import torch
 
-from raytrain_ft.checkpoint import Checkpointer
+from raytrain_ft.checkpoint.checkpointer import Checkpointer
+from raytrain_ft.checkpoint.train_state import KEY_MODEL, ModelState, TrainState
 from raytrain_ft.config import load_config
 from raytrain_ft.data.position import BatchPlan, DataPosition
 from raytrain_ft.errors import ConfigError
 from raytrain_ft.loop import Batches
-from raytrain_ft.replicas import Share
+from raytrain_ft.resilience.replicas import Share
+from raytrain_ft.resilience.waits import WaitTimeoutError, bounded, conflicts, wait_for
 from raytrain_ft.run_folder import read_commit_ack, write_commit_ack
-from raytrain_ft.train_state import KEY_MODEL, ModelState, TrainState
-from raytrain_ft.waits import WaitTimeoutError, bounded, conflicts, wait_for
 
 
 def test_bounds_that_cannot_work_together_are_each_one_line():

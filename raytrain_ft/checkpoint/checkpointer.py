@@ -3,7 +3,8 @@
 Life of a checkpoint (see docs/fault-tolerance.md):
 
 1. `save(step)`: `dcp.async_save` into `<root>/step-<N>` through a checksumming fsspec writer
-   (`raytrain_ft.integrity`: every item and `.metadata` hashed as written, on the write thread), on a dedicated
+   (`raytrain_ft.checkpoint.integrity`: every item and `.metadata` hashed as written, on the write thread),
+   on a dedicated
    gloo group so checkpoint collectives never interleave with training collectives. The snapshot
    (staging) is a copy; `wait_staged()` is called before the next optimizer step, so training
    only stalls if the copy is not finished by then. At most one save is in flight: a new save
@@ -43,16 +44,16 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader
 
+from raytrain_ft.checkpoint.fingerprint import check_fingerprint
+from raytrain_ft.checkpoint.integrity import ChecksummedReader, ChecksummedWriter, CompleteLoadPlanner
+from raytrain_ft.checkpoint.train_state import KEY_META, KEY_MODEL, RunMeta, TrainState, missing_components
 from raytrain_ft.errors import CheckpointError, CorruptCheckpointError, StorageFullError
-from raytrain_ft.fingerprint import check_fingerprint
-from raytrain_ft.integrity import ChecksummedReader, ChecksummedWriter, CompleteLoadPlanner
+from raytrain_ft.resilience.waits import WaitTimeoutError
 from raytrain_ft.run_folder import complete_steps, list_step_dirs, step_of, step_path
 from raytrain_ft.session import Session
-from raytrain_ft.train_state import KEY_META, KEY_MODEL, RunMeta, TrainState, missing_components
-from raytrain_ft.waits import WaitTimeoutError
 
 if TYPE_CHECKING:
-    from raytrain_ft.recorder import Recorder
+    from raytrain_ft.telemetry.recorder import Recorder
 
 log = logging.getLogger(__name__)
 
@@ -296,7 +297,7 @@ class Checkpointer:
         """Load the first usable checkpoint of `candidates` (newest first) into `state`;
         `read_delay_s(step)` > 0 (fault injection) holds the read of that checkpoint that many seconds.
 
-        Every byte is verified before use (`raytrain_ft.integrity.ChecksummedReader`) and the
+        Every byte is verified before use (`raytrain_ft.checkpoint.integrity.ChecksummedReader`) and the
         checkpoint must hold every component of `state` and every entry of each
         (`missing_components`, `CompleteLoadPlanner`; a rank an elastic resize added may lack its
         RNG entry). A candidate that fails either (`CorruptCheckpointError`,

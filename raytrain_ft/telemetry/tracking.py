@@ -1,8 +1,8 @@
 """MLflow tracking: one MLflow run per training run, across restarts and resubmissions.
 
 The driver creates the run (or reuses the id stored in `<run folder>/mlflow_run_id`) and logs the
-config as params; `MlflowRecorder` records into it (`raytrain_ft.recorder`; step metrics with
-`MlflowClient.log_batch` in the background, `raytrain_ft.timeline`: one value per step on the kept
+config as params; `MlflowRecorder` records into it (`raytrain_ft.telemetry.recorder`; step metrics with
+`MlflowClient.log_batch` in the background, `raytrain_ft.telemetry.timeline`: one value per step on the kept
 timeline; nothing calls `mlflow.start_run`, whose exit would mark the run finished) for rank 0
 and the Ray Train controller callback (through the job's `RecorderActor`); the driver sets the
 final status. Default store: `sqlite:///$HOME/raytrain-ft/mlflow.db`
@@ -27,12 +27,12 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from raytrain_ft import recovery
 from raytrain_ft.errors import UserError
-from raytrain_ft.recorder import Recorder
-from raytrain_ft.recovery import RunHistory
+from raytrain_ft.resilience import recovery
+from raytrain_ft.resilience.recovery import RunHistory
 from raytrain_ft.run_folder import RUN_ID_FILE, read_run_id, run_file, write_run_id
-from raytrain_ft.timeline import DISCARDED, KEPT, StepTimeline
+from raytrain_ft.telemetry.recorder import Recorder
+from raytrain_ft.telemetry.timeline import DISCARDED, KEPT, StepTimeline
 
 EVENTS_DIR = "events"
 GOODPUT_SUMMARY = "goodput_summary.json"
@@ -334,7 +334,7 @@ class MlflowRecorder(Recorder):
             self.outbox.put(lambda: self.client.log_dict(self.run_id, summary, GOODPUT_SUMMARY))
 
     def refresh_loss_plot(self, wait: bool = False) -> None:
-        """Re-render `loss.png` (`raytrain_ft.loss_plot`) in a background thread, off the training
+        """Re-render `loss.png` (`raytrain_ft.telemetry.plots`) in a background thread, off the training
         loop. Skipped while the previous render runs or if one started less than
         `PLOT_MIN_PERIOD_S` ago (a render reads the whole loss history: with checkpoints every few
         seconds it would compete with training for rank 0's CPU). `wait` renders now and blocks."""
@@ -351,7 +351,7 @@ class MlflowRecorder(Recorder):
             self._plot.result()
 
     def _render_loss_plot(self) -> None:
-        from raytrain_ft.loss_plot import LOSS_PLOT, loss_figure
+        from raytrain_ft.telemetry.plots import LOSS_PLOT, loss_figure
 
         try:
             kept, discarded = (

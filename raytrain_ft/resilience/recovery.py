@@ -16,10 +16,10 @@ hangs, corrupt checkpoints) form a second table.
 Under `failure.recovery: replica` a failure of some replicas while others are healthy is no restart:
 Ray Train replaces only those (the `failure` event lists them under `replaced`) and the survivors
 keep training. `replacement_rows` makes one row per replaced replica from that event and the
-replica events (`raytrain_ft.replicas`): `replica_start` (the replacement restored, before it
+replica events (`raytrain_ft.resilience.replicas`): `replica_start` (the replacement restored, before it
 joined a quorum), `replica_joined` (its first committed step), and the steps the survivors
 completed (the `last_step` metric's history). `preemption_rows`: one row per node drained for
-preemption (`raytrain_ft.preemption`).
+preemption (`raytrain_ft.resilience.preemption`).
 """
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ def replacement_rows(events: list[dict], steps_done: list[tuple[int, float]]) ->
 
 
 def preemption_rows(events: list[dict]) -> list[dict]:
-    """One row per `preemption` event (`raytrain_ft.preemption`: a node drained for preemption):
+    """One row per `preemption` event (`raytrain_ft.resilience.preemption`: a node drained for preemption):
     node, rank, notice time, seconds from the notice to the deadline, the step committed after the
     notice, whether a checkpoint of it was written, seconds from the notice to that commit."""
     return [

@@ -1,11 +1,11 @@
 """What every optimizer step reports: loss, learning rate, grad norm, throughput, MFU, skips.
 
 `StepMetrics` is a step hook (`raytrain_ft.hooks`) on every rank; each records through its
-`Recorder` (`raytrain_ft.recorder`: rank 0's records, the others' is a `NullRecorder`) each step in
-the run's timeline (`raytrain_ft.timeline`: `loss`, `lr`,
+`Recorder` (`raytrain_ft.telemetry.recorder`: rank 0's records, the others' is a `NullRecorder`) each step in
+the run's timeline (`raytrain_ft.telemetry.timeline`: `loss`, `lr`,
 `grad_norm`, `tokens_per_s`, `tokens_per_s_per_device`, `mfu` on GPU, `step_time_s`, `epoch`,
 `checkpoint_stall_s`, `compute_s_per_seq_rank<r>` (each member's compute seconds per sequence,
-`raytrain_ft.straggler`), and `val_loss`, `val_perplexity` at a validated step), the attempt's
+`raytrain_ft.resilience.straggler`), and `val_loss`, `val_perplexity` at a validated step), the attempt's
 `first_step` event with its recovery tables, and each skipped step (`skipped_steps` metric,
 `skipped_step` event); rank 0 prints a progress line every `PROGRESS_EVERY` steps
 (`progress_line`: step / max_steps, loss, tokens/s, ETA) that Ray streams to the driver. Every
@@ -14,7 +14,7 @@ rank prints its skips.
 Step time (seconds) runs from `before_step` to `after_optimizer_step`: batch read, forward/backward,
 clip, guard, optimizer (checkpoint stalls included; a validation, the save and the guards' checks
 after the update are not). MFU = FLOPs per token x tokens/s / (peak FLOP/s per device x the step's devices)
-(`raytrain_ft.model.flops_per_token`: PaLM, Appendix B; peak from `raytrain_ft.hardware`).
+(`raytrain_ft.model.llama.flops_per_token`: PaLM, Appendix B; peak from `raytrain_ft.model.hardware`).
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ import torch
 
 from raytrain_ft.config import Config
 from raytrain_ft.data.position import BatchPlan, DataPosition
-from raytrain_ft.guards import SpikeGuard
-from raytrain_ft.hardware import peak_flops_per_device
 from raytrain_ft.hooks import StepHook, StepResult
-from raytrain_ft.model import flops_per_token
-from raytrain_ft.recorder import Recorder
+from raytrain_ft.model.hardware import peak_flops_per_device
+from raytrain_ft.model.llama import flops_per_token
+from raytrain_ft.resilience.guards import SpikeGuard
+from raytrain_ft.telemetry.recorder import Recorder
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class StepMetrics(StepHook):
 
     def after_batch(self, step: int, micro_batches: list[dict]) -> None:
         if step == self.first_step:
-            self.first_batch_at = time.time()  # a recovery phase (`raytrain_ft.recovery`)
+            self.first_batch_at = time.time()  # a recovery phase (`raytrain_ft.resilience.recovery`)
 
     def after_optimizer_step(self, r: StepResult) -> None:
         self.log_step(r, time.perf_counter() - self.started - r.validation_s)

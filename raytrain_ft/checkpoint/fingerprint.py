@@ -3,7 +3,7 @@
 `fingerprint` is stored in every checkpoint (`train_state.RunMeta`); `check_fingerprint` compares a
 checkpoint's with the current config's, for the driver's preflight (before any worker starts,
 `raytrain_ft.preflight.check_checkpoint_compatible`) and for the restore on every rank
-(`raytrain_ft.checkpoint.Checkpointer`), so both refuse the same resubmissions with the same line.
+(`raytrain_ft.checkpoint.checkpointer.Checkpointer`), so both refuse the same resubmissions with the same line.
 """
 
 from __future__ import annotations

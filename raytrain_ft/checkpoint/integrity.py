@@ -8,7 +8,7 @@ Written by the writer, from the bytes as written, on the async save's write thre
   own stream extensions use) hashes each item's stream as DCP writes it;
 - `.metadata` gets a checksum of the bytes DCP pickled into it, hashed as they are written;
 - all of them go to `<checkpoint>/.checksums` (JSON, `CHECKSUM_FILE`), written by the coordinator
-  after `.metadata`; a checkpoint commits only after both (`raytrain_ft.checkpoint`).
+  after `.metadata`; a checkpoint commits only after both (`raytrain_ft.checkpoint.checkpointer`).
 
 Read by `ChecksummedReader`: `.metadata` is verified before it is unpickled, each item's byte
 range (hashed in chunks, `_hash_range`) before DCP reads and deserialises it. A mismatch, a short
@@ -38,9 +38,9 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from raytrain_ft.checkpoint.train_state import missing_components
 from raytrain_ft.errors import CorruptCheckpointError
 from raytrain_ft.run_folder import CHECKSUM_FILE, METADATA_FILE
-from raytrain_ft.train_state import missing_components
 
 ALGORITHM = "xxh3_64"
 
@@ -272,7 +272,7 @@ def verify_checkpoint(path: str, components: bool = True) -> list[str]:
 
     Checks, without a process group: the checksum record exists; `.metadata` and every item's bytes
     match their checksums (each item read once); and, with `components`, the checkpoint holds every
-    component of a run's train state (`raytrain_ft.train_state.missing_components`; the export,
+    component of a run's train state (`raytrain_ft.checkpoint.train_state.missing_components`; the export,
     which needs only the model, checks its weights itself).
     """
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from matplotlib.figure import Figure
 
-from raytrain_ft.recovery import failures
+from raytrain_ft.resilience.recovery import failures
 
 LOSS_PLOT = "loss.png"
 
@@ -20,7 +20,7 @@ def loss_figure(kept: list[tuple[int, float]], discarded: list[tuple[int, float]
     Args:
         kept: (step, loss) pairs of the kept timeline (`loss`, one per step), drawn as the curve.
         discarded: (step, loss) pairs a restart or rollback discarded (`discarded/loss`, see
-            `raytrain_ft.timeline`), drawn as grey dots.
+            `raytrain_ft.telemetry.timeline`), drawn as grey dots.
         events: the run's events (`MlflowRecorder.events()`): a vertical line at each failure's last
             completed step (gid `failure`) and each rollback's step (gid `rollback`), a cross at
             each skipped step (gid `skipped_step`).

@@ -52,7 +52,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raytrain_ft.config import Config, ParallelSection
 from raytrain_ft.errors import ConfigError
-from raytrain_ft.model import build_model, lm_loss
+from raytrain_ft.model.llama import build_model, lm_loss
 
 
 def resolve_strategy(p: ParallelSection, use_gpu: bool) -> str:

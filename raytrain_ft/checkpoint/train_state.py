@@ -5,7 +5,7 @@ Tensor state (model weights, AdamW's m and v) goes through
 and reshards it. Every other component (LR scheduler, step, data position, RNG states, guards,
 run metadata) is pickled to bytes when the snapshot is taken: the bytes are immutable, so training
 may continue while the writer runs. RNG states differ per rank and live under `rng.rank{R}`; the
-goodput ledger (`raytrain_ft.goodput`) is rank 0's alone, under `goodput`.
+goodput ledger (`raytrain_ft.telemetry.goodput`) is rank 0's alone, under `goodput`.
 Adding a component is one `TrainState.add(KEY, stateful)` line.
 """
 

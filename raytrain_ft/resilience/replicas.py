@@ -4,8 +4,8 @@ The loop asks its `StepMembers` five things per optimizer step, whatever the rec
 `begin()` (this step's `Share`: the batch split and this rank's place in it), `reduce(par)` after
 the forward/backward passes, `agree(step, loss, skip, may_save, doomed, compute_s)` (an `Agreement`:
 the members' summed loss, one spike-guard decision for all of them, whether the fingerprint runs before
-a save, how many members' nodes are being drained for preemption, `raytrain_ft.preemption`, and every
-member's straggler figure, `raytrain_ft.straggler`), `commit()`
+a save, how many members' nodes are being drained for preemption, `raytrain_ft.resilience.preemption`, and every
+member's straggler figure, `raytrain_ft.resilience.straggler`), `commit()`
 before the optimizer step, and `gather(row)` for the data audit and the guards' cross-member checks
 (`guards.RankChecks`: the rank-spread check and the replica fingerprint compare the rows of every
 member of the step); `saves` and `records` say whether this rank writes the step's checkpoint and
@@ -85,14 +85,14 @@ import torch.distributed as dist
 import xxhash
 from torch.distributed.checkpoint.stateful import Stateful
 
+from raytrain_ft.checkpoint.train_state import KEY_GUARDS, KEY_META, KEY_MODEL, KEY_OPTIM, TrainState
 from raytrain_ft.config import Config
 from raytrain_ft.data.position import BatchPlan
-from raytrain_ft.guards import SkipDisagreementError
-from raytrain_ft.parallel import Parallel
-from raytrain_ft.recorder import Recorder
+from raytrain_ft.model.parallel import Parallel
+from raytrain_ft.resilience.guards import SkipDisagreementError
+from raytrain_ft.resilience.waits import LIGHTHOUSE_JOIN_S
 from raytrain_ft.run_folder import replica_final_file
-from raytrain_ft.train_state import KEY_GUARDS, KEY_META, KEY_MODEL, KEY_OPTIM, TrainState
-from raytrain_ft.waits import LIGHTHOUSE_JOIN_S
+from raytrain_ft.telemetry.recorder import Recorder
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ LIGHTHOUSE = {"min_replicas": 1, "join_timeout_ms": int(LIGHTHOUSE_JOIN_S * 1000
 class Agreement(NamedTuple):
     """What a step's members agreed on (`agree`): the SUM of their losses, the skip decision, whether
     the fingerprint runs before a save (replicas), how many members hold a drain notice (`leaving`),
-    and `figures` (each member's straggler figure, `raytrain_ft.straggler`: compute seconds per
+    and `figures` (each member's straggler figure, `raytrain_ft.resilience.straggler`: compute seconds per
     sequence, in the split's rank order)."""
 
     loss_sum: float
@@ -342,7 +342,7 @@ class Replicas:
         save may follow the step; when the saver's is True every participant runs the fingerprint after
         the optimizer step (`RankChecks.monitor`), so the saver's weights are compared with its peers'
         just before it saves them (`RankChecks.fit_to_save`). `doomed`: this replica's node is drained
-        (`raytrain_ft.preemption`)."""
+        (`raytrain_ft.resilience.preemption`)."""
         assert self.share is not None, "agree after begin()"
         totals = agreed_row([loss, float(skip), float(may_save), float(doomed)], compute_s, self.share)
         self.manager.allreduce(totals, reduce_op=dist.ReduceOp.SUM).wait()

@@ -9,7 +9,7 @@ step waits for it in the gradient all-reduce. Three parts, each rank running all
   pass overlaps the backward and the pass's `backward()` returns only once every rank's buckets are
   reduced, so the time after the last gradient is the wait for the slowest rank, and a fast rank's
   figure does not include it; the earlier passes run under `no_sync` (no collective), and DDP does
-  not broadcast buffers in forward (`raytrain_ft.parallel.build`). Under replica recovery the
+  not broadcast buffers in forward (`raytrain_ft.model.parallel.build`). Under replica recovery the
   reduction runs after the passes (`Replicas.reduce`). Under fsdp/hsdp the passes all-gather and
   reduce-scatter per layer, so every rank's figure includes its waits for the slowest: ranks look
   alike and none is flagged (a limit, not a false flag). Wall clock on CPU; CUDA events on GPU
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from raytrain_ft.hooks import StepHook, StepResult
-from raytrain_ft.recorder import Recorder
+from raytrain_ft.telemetry.recorder import Recorder
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ The loop, its hooks, the guards and the restore record through a `Recorder` and 
 anything back: what they decide with comes from the `Session` (`Session.history`) or the
 checkpointed state. Implementations:
 
-* `raytrain_ft.tracking.MlflowRecorder`: the run's MLflow run (metrics, tags, event artifacts, the
-  per-step timeline of `raytrain_ft.timeline`, the loss plot, the recovery tables);
+* `raytrain_ft.telemetry.tracking.MlflowRecorder`: the run's MLflow run (metrics, tags, event artifacts, the
+  per-step timeline of `raytrain_ft.telemetry.timeline`, the loss plot, the recovery tables);
 * `raytrain_ft.launch.recorder_actor.RemoteRecorder`: the same calls, run by the job's
   `RecorderActor` (which holds an `MlflowRecorder`), so Ray workers never import MLflow;
 * `NullRecorder`: records nothing, for the ranks that do not log (every rank but 0);
@@ -41,7 +41,7 @@ class Recorder(ABC):
     @abstractmethod
     def event(self, kind: str, **fields: object) -> None:
         """Record an event `{"time", "kind", **fields}`; `time` defaults to now (the caller's clock).
-        Kinds: `raytrain_ft.recovery` (failure, attempt_start, first_step, hang, rollback, ...)."""
+        Kinds: `raytrain_ft.resilience.recovery` (failure, attempt_start, first_step, hang, rollback, ...)."""
 
     @abstractmethod
     def hang(self, ranks: list[int], step: int | None, dump: str, stalled_s: float) -> None:
@@ -52,7 +52,7 @@ class Recorder(ABC):
 
     @abstractmethod
     def record_step(self, step: int, values: dict[str, float], current: dict[str, float], at: float) -> None:
-        """One step's metrics (`raytrain_ft.timeline`: live now, kept once a checkpoint covers the
+        """One step's metrics (`raytrain_ft.telemetry.timeline`: live now, kept once a checkpoint covers the
         step); `current` values are logged at step 0 (the latest value: `last_step`, ...)."""
 
     @abstractmethod

@@ -5,7 +5,7 @@ A vectorised Monte Carlo of one wall-time window (`days`), repeated `repetitions
 and mode (common random numbers), so comparisons between intervals are far less noisy than the
 goodput values themselves. All times are in seconds.
 
-Failures: a Poisson process at `gpus / MTBF` (`raytrain_ft.interval.cluster_mtbf_s`), on the
+Failures: a Poisson process at `gpus / MTBF` (`raytrain_ft.checkpoint.interval.cluster_mtbf_s`), on the
 clock of the running job: in `restart` mode the time between failures counts while the job trains,
 not while it restarts (by memorylessness that only shifts the next failure; this is also how
 `benchmarks/goodput.py` strikes). A `clustered` fraction of failures brings a second one within
@@ -17,7 +17,7 @@ the recovery (a node taking its neighbours, a flapping switch): `restart` pays t
   project's async save: `save_s >= checkpoint_s`). A failure loses everything since the snapshot
   of the newest committed checkpoint (`lost_work`), then the group restarts for `restart_s`
   (failure to state restored, `restarts`) and computes again from that checkpoint.
-* `replica` (`failure.recovery: replica`, `raytrain_ft.replicas`): the healthy replicas keep
+* `replica` (`failure.recovery: replica`, `raytrain_ft.resilience.replicas`): the healthy replicas keep
   training. A failure loses the step in flight (uniform in [0, step_s]: no replica commits it,
   `lost_work`), pauses the survivors for `pause_s` (until the quorum drops the dead replica,
   `restarts`), then the survivors train the whole global batch without the failed replica's share
@@ -34,7 +34,7 @@ stops holding: docs/planning.md.
 Intervals: `young_s` and `daly_s` are Young's `sqrt(2 C M)` (J. W. Young, "A first order
 approximation to the optimum checkpoint interval", CACM 17(9), 1974) and Daly's higher-order
 estimate (J. T. Daly, "A higher order estimate of the optimum checkpoint interval for restart
-dumps", FGCS 22(3), 2006), from `raytrain_ft.interval`; the simulated best interval of `restart`
+dumps", FGCS 22(3), 2006), from `raytrain_ft.checkpoint.interval`; the simulated best interval of `restart`
 mode is a search over whole numbers of steps. (`interval.simulate_waste` is the per-period event
 loop over a fixed amount of work that checks those formulas; this module simulates a fixed wall
 time, with commit latency, clustered failures and both modes, vectorised over repetitions.)
@@ -47,12 +47,14 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from raytrain_ft.interval import cluster_mtbf_s, daly_interval_s, interval_steps, young_interval_s
+from raytrain_ft.checkpoint.interval import cluster_mtbf_s, daly_interval_s, interval_steps, young_interval_s
 
 MODES = ("restart", "replica")
 LOST_PARTS = ("lost_work", "restarts", "checkpoint_stalls", "degraded_steps")
 SECONDS_PER_DAY = 86_400.0
-REPLICA_PAUSE_S = 2.0  # the lighthouse's heartbeat timeout (`raytrain_ft.replicas.LIGHTHOUSE`): the survivors' wait
+REPLICA_PAUSE_S = (
+    2.0  # the lighthouse's heartbeat timeout (`raytrain_ft.resilience.replicas.LIGHTHOUSE`): the survivors' wait
+)
 SEARCH_POINTS = 16  # intervals per round of the best-interval search (two rounds), rounded to whole steps
 
 
@@ -289,7 +291,7 @@ def plan(
 
 def survivors_pause_s(survivors_committed_s: float, step_s: float, replicas: int) -> float:
     """The survivors' pause after a replica's failure, seconds, from the time until they committed
-    a step again (`raytrain_ft.recovery.replacement_rows`' `survivors_committed_s`): minus that
+    a step again (`raytrain_ft.resilience.recovery.replacement_rows`' `survivors_committed_s`): minus that
     step, which trains the whole global batch on `replicas - 1` replicas (`step_s` x replicas /
     (replicas - 1) long). Never below 0."""
     if replicas < 2:
@@ -316,7 +318,7 @@ def measured_costs(
     """
     import statistics
 
-    from raytrain_ft.recovery import recovery_rows, replacement_rows
+    from raytrain_ft.resilience.recovery import recovery_rows, replacement_rows
 
     out: dict[str, float] = {}
     if metrics.get("train/step_time_s"):

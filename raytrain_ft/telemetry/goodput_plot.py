@@ -1,6 +1,6 @@
 """Goodput against GPU count for both recovery modes (`raytrain-ft plan-goodput --plot FILE`).
 
-Each mode at its interval (`raytrain_ft.planner.plan`: `restart` at its simulated best, `replica`
+Each mode at its interval (`raytrain_ft.resilience.planner.plan`: `restart` at its simulated best, `replica`
 at Daly's) from 64 to 100,000 GPUs on a log axis, with the 95 % range of a month shaded, the
 README's reference point (1,000 GPUs, 10,000 h per GPU, a 5-minute checkpoint: docs/fault-tolerance.md;
 the other costs as plotted) and two published anchors marked:
@@ -11,7 +11,7 @@ the other costs as plotted) and two published anchors marked:
   2509.16293, 2025): 97 % effective training time ratio (ETTR) for a three-month job on 9,600 GPUs.
 
 The anchors come from other clusters, MTBFs and costs: they place the curves, they do not test them.
-Uses matplotlib's object API (`Figure`, Agg), as `raytrain_ft.loss_plot` does.
+Uses matplotlib's object API (`Figure`, Agg), as `raytrain_ft.telemetry.plots` does.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import replace
 import numpy as np
 from matplotlib.figure import Figure
 
-from raytrain_ft.planner import MODES, Cluster, Costs, plan
+from raytrain_ft.resilience.planner import MODES, Cluster, Costs, plan
 
 GPU_COUNTS = np.unique(np.geomspace(64, 100_000, 16).round().astype(int))
 REFERENCE_GPUS, REFERENCE_MTBF_HOURS, REFERENCE_CHECKPOINT_S = 1_000, 10_000.0, 300.0  # the README's example

@@ -12,9 +12,9 @@
   sum of the raw bits of every parameter this rank holds, so any single flipped bit changes it.
   Under DDP every rank is a replica; under HSDP the ranks holding the same shard index (one per
   replica group) are compared (`replica_mismatch`); under FSDP there are no replicas and the check
-  does not apply (see `raytrain_ft.parallel`).
+  does not apply (see `raytrain_ft.model.parallel`).
 * `RankChecks`: the loop's rank check and replica fingerprint at their intervals, and their alerts,
-  over the step's members (`raytrain_ft.replicas`' `StepMembers.gather`): every rank of the process
+  over the step's members (`raytrain_ft.resilience.replicas`' `StepMembers.gather`): every rank of the process
   group under restart recovery; the participants of the step's torchft quorum under replica
   recovery, where every replica holds the full model and the fingerprint compares the replicas.
 """
@@ -34,8 +34,8 @@ import torch
 from raytrain_ft.config import GuardsSection
 
 if TYPE_CHECKING:
-    from raytrain_ft.parallel import Parallel
-    from raytrain_ft.recorder import Recorder
+    from raytrain_ft.model.parallel import Parallel
+    from raytrain_ft.telemetry.recorder import Recorder
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class RollbackLog:
 
 
 class Members(Protocol):
-    """What `RankChecks` needs of the step's members (`raytrain_ft.replicas.StepMembers`)."""
+    """What `RankChecks` needs of the step's members (`raytrain_ft.resilience.replicas.StepMembers`)."""
 
     saves_together: bool
 

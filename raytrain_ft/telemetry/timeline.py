@@ -38,7 +38,7 @@ from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
 if TYPE_CHECKING:
-    from raytrain_ft.tracking import Outbox
+    from raytrain_ft.telemetry.tracking import Outbox
 
 KEPT, LIVE, DISCARDED = "train/", "train_live/", "train_discarded/"
 MAX_BATCH = 1000  # MLflow's limit on metrics per log_batch request

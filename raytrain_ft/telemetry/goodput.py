@@ -19,17 +19,17 @@ Wall time runs from the MLflow run's creation (the first submission) to now. The
   - `restore`: building the model and loading the checkpoint, per attempt and per rollback;
   - `hang`: from a stalled rank's last step until the progress watchdog stopped it;
   - `startup`: from submission to the end of the first attempt's restore (workers, model build);
-  - `replacement` (replica recovery, `raytrain_ft.replicas`): the survivors' time lost to a
+  - `replacement` (replica recovery, `raytrain_ft.resilience.replicas`): the survivors' time lost to a
     replica's failure while they keep training: a step that did not commit (a peer died in it) and
     the next quorum's wait for the lighthouse to drop the dead replica. The steps the survivors
     train with fewer participants are productive (each trains the whole global batch); the
     replacement's own start runs beside them, so it is no wall time of its own: the recovery
-    history's replacement rows give its seconds (`raytrain_ft.recovery.replacement_rows`).
+    history's replacement rows give its seconds (`raytrain_ft.resilience.recovery.replacement_rows`).
 
 Per step, `StepAccount` (a step hook, `raytrain_ft.hooks`) adds the step to rank 0's ledger.
 The ledger is part of the checkpoint (rank 0 only), so after a restore it covers the kept timeline
 up to that checkpoint's snapshot. The time from there to now is classified by `classify_gap` from
-the run's events (`raytrain_ft.recovery`): `failure` (controller), `attempt_start` (with
+the run's events (`raytrain_ft.resilience.recovery`): `failure` (controller), `attempt_start` (with
 `init_started_at`), `hang` (with `stalled_s`) and `rollback` (with `restore_started_at`). This is
 the usual definition of goodput ("productive time / wall time"); its parts add up
 to the wall time by construction, apart from the short tail since the last step.

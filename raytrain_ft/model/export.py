@@ -3,7 +3,7 @@
 `export_checkpoint(checkpoint, out_dir, data_path)` writes what `LlamaForCausalLM.save_pretrained`
 and a tokenizer's `save_pretrained` write:
 
-- `config.json`: `raytrain_ft.model.model_config` of the run's preset, vocabulary and sequence
+- `config.json`: `raytrain_ft.model.llama.model_config` of the run's preset, vocabulary and sequence
   length (from the checkpoint's `RunMeta` fingerprint), dropout 0 (an inference model), BOS = EOS =
   the dataset's end-of-document token (documents are packed with one EOS after each, so EOS is also
   what precedes a document: GPT-2's convention);
@@ -31,12 +31,12 @@ import torch
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from raytrain_ft.checkpoint import load_alone
+from raytrain_ft.checkpoint.checkpointer import load_alone
+from raytrain_ft.checkpoint.integrity import verify_checkpoint
+from raytrain_ft.checkpoint.train_state import KEY_META, KEY_MODEL, KEY_PROGRESS, Pickled, Progress, RunMeta
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.errors import CheckpointError, DataError, UserError
-from raytrain_ft.integrity import verify_checkpoint
 from raytrain_ft.run_folder import METADATA_FILE, complete_steps, run_root, step_path
-from raytrain_ft.train_state import KEY_META, KEY_MODEL, KEY_PROGRESS, Pickled, Progress, RunMeta
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # huggingface_hub's default; transformers 5's save_pretrained uses 50GB
 SHARD_PATTERN = "model{suffix}.safetensors"  # huggingface_hub.constants.SAFETENSORS_WEIGHTS_FILE_PATTERN
@@ -224,7 +224,7 @@ def export_checkpoint(
 
 
 def _hf_config(fp: dict, eos_id: int, dtype: torch.dtype):
-    from raytrain_ft.model import model_config
+    from raytrain_ft.model.llama import model_config
 
     config = model_config(fp["model.preset"], fp["vocab_size"], fp["seq_len"], dropout=0.0)
     config.architectures = ["LlamaForCausalLM"]

@@ -23,7 +23,7 @@ the rank starts restoring the checkpoint of `step`, its peers inside the restore
 `reduce`, right before the gradient reduction across replicas of `step` (`before_reduce`; under DDP
 after the backward's all-reduce), its peers inside the step's next collective; `save`,
 while its write of the checkpoint of `step` is in flight, slowed as for `kill_during_save`, its
-peers in the next step's all-reduce; the driver's progress watchdog, `raytrain_ft.watchdog`, is what
+peers in the next step's all-reduce; the driver's progress watchdog, `raytrain_ft.resilience.watchdog`, is what
 ends it). Three kinds kill the rank at a moment of a
 worker-group start instead of at a step: `kill_in_setup` (right after Ray Train set up the process group,
 before the start completes), `kill_at_launch` (once Ray launched the train function, before the start

@@ -40,9 +40,9 @@ import torch
 
 from raytrain_ft.config import Config
 from raytrain_ft.errors import ConfigError
-from raytrain_ft.hardware import device_memory_gib
-from raytrain_ft.model import build_model, model_config
-from raytrain_ft.parallel import mesh_shape, resolve_strategy
+from raytrain_ft.model.hardware import device_memory_gib
+from raytrain_ft.model.llama import build_model, model_config
+from raytrain_ft.model.parallel import mesh_shape, resolve_strategy
 
 GIB = 1024**3
 HEADROOM = 0.9
