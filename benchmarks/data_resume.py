@@ -35,8 +35,9 @@ import torch
 from raytrain_ft.data.manifest import MANIFEST, Manifest, Shard
 from raytrain_ft.data.order import EpochOrder, steps_per_epoch
 from raytrain_ft.data.position import BatchPlan
-from raytrain_ft.data.prepare import PrepareSettings, prepare
+from raytrain_ft.data.prepare import PrepareSettings
 from raytrain_ft.launch.datasource import rank_datasource, rank_micro_batches
+from raytrain_ft.launch.prepare import prepare
 from raytrain_ft.model.llama import build_model, lm_loss
 from report import default_out, report, scratch
 

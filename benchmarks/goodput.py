@@ -81,8 +81,9 @@ from ray.train.torch import TorchTrainer
 from raytrain_ft.checkpoint.interval import daly_interval_s, expected_waste_fraction
 from raytrain_ft.config import load_config
 from raytrain_ft.data.manifest import load_manifest
-from raytrain_ft.data.prepare import PrepareSettings, prepare
+from raytrain_ft.data.prepare import PrepareSettings
 from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV, run
+from raytrain_ft.launch.prepare import prepare
 from raytrain_ft.model.llama import build_model, lm_loss
 from raytrain_ft.resilience.recovery import failures, recovery_rows, replacement_rows
 from raytrain_ft.run_folder import worker_records, write_worker_record
@@ -267,7 +268,7 @@ def stamp(root: str, line: str) -> None:
 def plain_train_func(config: dict) -> None:
     """Ray Train's documented pattern: torch.save + Checkpoint.from_directory, resume from get_checkpoint()."""
     rank = ray.train.get_context().get_world_rank()
-    write_worker_record(config["root"], rank)
+    write_worker_record(config["root"], rank, ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id())
     torch.manual_seed(0)
     model = ray.train.torch.prepare_model(build_model("small", config["vocab"], config["seq_len"], 0.0))
     opt = torch.optim.AdamW(model.parameters())

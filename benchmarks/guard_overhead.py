@@ -29,7 +29,8 @@ import torch.multiprocessing as mp
 from scipy import stats
 
 from raytrain_ft.config import load_config
-from raytrain_ft.data.prepare import PrepareSettings, prepare
+from raytrain_ft.data.prepare import PrepareSettings
+from raytrain_ft.launch.prepare import prepare
 from raytrain_ft.local_session import LocalSession
 from raytrain_ft.loop import Trainer, forward_backward
 from raytrain_ft.resilience.replicas import Share

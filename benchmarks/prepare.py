@@ -70,7 +70,8 @@ def child(args) -> None:
     """One measurement in this process: prepare, sample the workers' peak RSS, print JSON."""
     import ray
 
-    from raytrain_ft.data.prepare import PrepareSettings, prepare
+    from raytrain_ft.data.prepare import PrepareSettings
+    from raytrain_ft.launch.prepare import prepare
 
     ray.init(
         address="local",

@@ -11,8 +11,9 @@ import argparse
 import logging
 import sys
 
-from raytrain_ft.data.prepare import PrepareSettings, prepare
+from raytrain_ft.data.prepare import PrepareSettings
 from raytrain_ft.errors import UserError
+from raytrain_ft.launch.prepare import prepare
 
 # Ray Data logs a worker's exception with its stack before re-raising it; the one line below says it.
 QUIET_LOGGERS = ("ray.data.exceptions", "ray.data._internal.execution.streaming_executor_state")

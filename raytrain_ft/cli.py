@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -435,8 +434,7 @@ def _check(args: argparse.Namespace) -> int:
     if address and address.startswith(("http://", "https://")):
         address = None  # the dashboard's job-submission address (`ray job submit`), not a GCS address
     if address:  # connect to a running cluster (never start one) for its resources
-        import ray
-
+        from raytrain_ft.launch.driver import cluster_resources
         from raytrain_ft.preflight import check_address
 
         try:
@@ -445,10 +443,7 @@ def _check(args: argparse.Namespace) -> int:
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-
-        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
-        cluster = ray.cluster_resources()
-        ray.shutdown()
+        cluster = cluster_resources(address)
     found = problems(cfg, cluster)
     for problem in found:
         print(f"error: {problem}", file=sys.stderr)

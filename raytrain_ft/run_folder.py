@@ -204,18 +204,11 @@ def replica_final_file(root: str, replica: int) -> str:
     return run_file(root, WORKERS_DIR, f"replica{replica}.final.json")
 
 
-def write_worker_record(root: str, rank: int) -> None:
-    """Write `workers/rank<r>.json` (this process's pid, node IP and Ray node id, start time in unix seconds), once
-    per attempt: which process to `py-spy dump` when a rank misbehaves, and which one a chaos test
-    or `benchmarks/goodput.py` kills."""
-    import ray  # the run folder's other files are read without Ray (`raytrain-ft check`)
-
-    record = {
-        "pid": os.getpid(),
-        "node_ip": ray.util.get_node_ip_address(),
-        "node_id": ray.get_runtime_context().get_node_id(),
-        "started_at": time.time(),
-    }
+def write_worker_record(root: str, rank: int, node_ip: str, node_id: str) -> None:
+    """Write `workers/rank<r>.json` (this process's pid, `node_ip` and Ray `node_id`, start time in unix
+    seconds), once per attempt: which process to `py-spy dump` when a rank misbehaves, and which one a
+    chaos test or `benchmarks/goodput.py` kills."""
+    record = {"pid": os.getpid(), "node_ip": node_ip, "node_id": node_id, "started_at": time.time()}
     with fsspec.open(_worker_record(root, rank), "w", auto_mkdir=True) as f:
         json.dump(record, f)
 

@@ -29,8 +29,9 @@ from raytrain_ft.checkpoint.checkpointer import load_model_state_dict, load_tens
 from raytrain_ft.config import TrainSection, load_config
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import EpochOrder, steps_per_epoch
-from raytrain_ft.data.prepare import PrepareSettings, prepare
+from raytrain_ft.data.prepare import PrepareSettings
 from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV
+from raytrain_ft.launch.prepare import prepare
 from raytrain_ft.loop import lr_schedule
 from raytrain_ft.run_folder import step_path
 from raytrain_ft.telemetry.tracking import MlflowRecorder

@@ -16,7 +16,8 @@ from tokenizers import Tokenizer
 from conftest import STDLIB_JSON, assert_resumed, make_config, metric_by_step
 from local_run import local_run
 from raytrain_ft.data.manifest import load_manifest
-from raytrain_ft.data.prepare import PrepareSettings, prepare, validation_size
+from raytrain_ft.data.prepare import PrepareSettings, validation_size
+from raytrain_ft.launch.prepare import prepare
 
 pytestmark = pytest.mark.usefixtures("ray_local")  # `prepare` runs on Ray Data
 VALIDATED = [3, 6, 9, 12, 15, 18]  # validation.interval_steps=3 over 20 steps

@@ -8,13 +8,17 @@ import re
 
 import ray
 from ray.exceptions import RayActorError
-from ray.train import ControllerError, WorkerGroupError
-from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError, WorkerGroupStartupTimeoutError
-from ray.train.v2._internal.execution.callback import ControllerCallback
-from ray.train.v2._internal.execution.controller.state import ErroredState, ReschedulingState, RestartingState
-from ray.train.v2.api.callback import UserCallback
+from ray.train import ControllerError, UserCallback, WorkerGroupError
 
 from raytrain_ft.launch.group_start import baseline_resources, short, start_timeout_s
+from raytrain_ft.launch.ray_internals import (
+    ControllerCallback,
+    ErroredState,
+    ReschedulingState,
+    RestartingState,
+    WorkerGroupStartupFailedError,
+    WorkerGroupStartupTimeoutError,
+)
 from raytrain_ft.launch.recorder_actor import RemoteRecorder
 from raytrain_ft.resilience.recovery import CONSEQUENCE, GROUP_START, KILLED, cause_text
 from raytrain_ft.run_folder import write_commit_ack

@@ -88,6 +88,16 @@ class _OnSigterm:
         raise Terminated("stopped by SIGTERM")
 
 
+def cluster_resources(address: str) -> dict[str, float]:
+    """The resources (`ray.cluster_resources()`: "CPU", "GPU", ... -> amount) of the running cluster at
+    `address`; connects as a driver and disconnects, never starts a cluster (`raytrain-ft check --address`)."""
+    ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+    try:
+        return ray.cluster_resources()
+    finally:
+        ray.shutdown()
+
+
 def preflight(cfg: Config) -> None:
     """Catch user errors before any worker starts (`raytrain_ft.preflight.problems`, the function
     `raytrain-ft check` runs): raises the first problem found, a one-line `UserError`."""

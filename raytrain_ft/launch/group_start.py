@@ -40,10 +40,9 @@ import time
 from dataclasses import dataclass, field
 
 import ray
-from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
-from ray.train.v2._internal.execution.controller.state import RunningState
 from ray.util.placement_group import PlacementGroup, get_current_placement_group, remove_placement_group
 
+from raytrain_ft.launch.ray_internals import ControllerCallback, RunningState, WorkerGroupCallback
 from raytrain_ft.launch.recorder_actor import RemoteRecorder
 
 log = logging.getLogger(__name__)

@@ -41,9 +41,9 @@ import time
 
 import fsspec
 import ray
-from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raytrain_ft.launch.ray_internals import WorkerGroupCallback
 from raytrain_ft.launch.recorder_actor import RemoteRecorder
 from raytrain_ft.resilience.watchdog import Progress, Stall
 from raytrain_ft.run_folder import stacks_path

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import os
 
-from ray.train.v2._internal.execution.worker_group import ReplicaGroup
-from ray.train.v2.torch.torchft_config import TorchftConfig, _TorchftBackend
+from ray.train.v2.torch.torchft_config import TorchftConfig
 
+from raytrain_ft.launch.ray_internals import ReplicaGroup, TorchftBackend
 from raytrain_ft.resilience.replicas import REPLACEMENT_ENV
 
 
@@ -24,7 +24,7 @@ def mark_replacement(replacement: bool) -> None:
     os.environ[REPLACEMENT_ENV] = "1" if replacement else "0"
 
 
-class ReplicaBackend(_TorchftBackend):
+class ReplicaBackend(TorchftBackend):
     def on_start(self, worker_group, backend_config) -> None:
         super().on_start(worker_group, backend_config)
         worker_group.execute(mark_replacement, isinstance(worker_group, ReplicaGroup))

@@ -21,9 +21,9 @@ import signal
 import ray
 from ray.train.torch import TorchConfig
 from ray.train.torch.config import _TorchBackend
-from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 
 from raytrain_ft.config import FaultSpec
+from raytrain_ft.launch.ray_internals import WorkerGroupCallback
 from raytrain_ft.resilience.faults import mark, start_faults_due
 from raytrain_ft.run_folder import read_commit_ack, step_of
 

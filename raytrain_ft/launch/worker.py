@@ -49,7 +49,9 @@ class RaySession:
         scheme = self.filesystem.type_name
         path = storage.experiment_fs_path
         self.run_root = path if scheme == "local" else f"{scheme}://{path}"  # fsspec URL for DCP and our files
-        write_worker_record(self.run_root, self.rank)
+        write_worker_record(
+            self.run_root, self.rank, ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+        )
         self.data_path, self.seed = data_path, seed
         self.recorder_actor, self.mlflow_run_id, self.watchdog = recorder_actor, mlflow_run_id, watchdog
         self.manifest = load_manifest(data_path)

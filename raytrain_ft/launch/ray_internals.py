@@ -1,0 +1,43 @@
+"""The one module that imports Ray Train's private names; everything else uses Ray's public API.
+
+Ray Train 2.60 has no public API for what these serve, so they are named here once, and a Ray
+upgrade that moves them breaks this file alone (`tests/unit/test_import_rules.py` keeps every
+other module off `ray.*._internal` and the underscored names):
+
+- `ControllerCallback` and the controller's states (`RestartingState`, `ErroredState`,
+  `ReschedulingState`): the only hook that sees Ray Train decide on a worker-group failure
+  (restart, end the run, or retry a group start), which `launch.callbacks.FailureRecorder`
+  records once per decision. The public `UserCallback` sees reports and the final exception only.
+- `WorkerGroupStartupFailedError`: the controller error that wraps a worker actor's death during
+  the group's setup (`launch.callbacks.lost_in_setup`); Ray exports no name for it.
+  `WorkerGroupStartupTimeoutError`: a start that found no resources in time (`launch.callbacks.start_timed_out`).
+- `WorkerGroupCallback` and `RunningState`: the hooks around a worker-group start (before its setup,
+  at its shutdown or abort) and the state in which the controller holds a started group, which
+  `launch.group_start.StartCleaner`, `launch.start_faults` and `launch.progress_watchdog.WatchRanks` use.
+- `ReplicaGroup` and `_TorchftBackend`: the backend of the public `TorchftConfig`, extended to tell
+  a replacement replica from a whole-group start (`launch.replica_backend`).
+"""
+
+from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError, WorkerGroupStartupTimeoutError
+from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+from ray.train.v2._internal.execution.controller.state import (
+    ErroredState,
+    ReschedulingState,
+    RestartingState,
+    RunningState,
+)
+from ray.train.v2._internal.execution.worker_group import ReplicaGroup
+from ray.train.v2.torch.torchft_config import _TorchftBackend as TorchftBackend
+
+__all__ = [
+    "ControllerCallback",
+    "ErroredState",
+    "ReplicaGroup",
+    "ReschedulingState",
+    "RestartingState",
+    "RunningState",
+    "TorchftBackend",
+    "WorkerGroupCallback",
+    "WorkerGroupStartupFailedError",
+    "WorkerGroupStartupTimeoutError",
+]

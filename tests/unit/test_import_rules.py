@@ -1,0 +1,64 @@
+"""Where Ray may be imported, read from every module's syntax tree (nothing is imported or run).
+
+- Ray (`ray`, `ray.*`) only under `raytrain_ft/launch/`: the loop, the checkpoints, the data rules,
+  the run folder and the telemetry run without Ray (`torchrun`, `raytrain-ft check`, the benchmarks).
+- Ray's private names (`ray.*._internal`, or an underscored name imported from Ray) only in
+  `raytrain_ft/launch/ray_internals.py`, the one adapter that says why each is needed.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import REPO
+
+PACKAGE = Path(REPO, "raytrain_ft")
+ADAPTER = PACKAGE / "launch" / "ray_internals.py"
+
+
+def ray_imports(path: Path) -> list[tuple[int, str, list[str]]]:
+    """(line, module, imported names) of every `import ray...` / `from ray... import` in `path`,
+    at any depth (function-level imports included)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name, []) for a in node.names if a.name.split(".")[0] == "ray"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "ray":
+            found.append((node.lineno, node.module or "", [a.name for a in node.names]))
+    return found
+
+
+def modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_ray_is_imported_only_under_launch():
+    outside = [
+        f"{path.relative_to(REPO)}:{line} imports {module}"
+        for path in modules()
+        if "launch" not in path.relative_to(PACKAGE).parts
+        for line, module, _ in ray_imports(path)
+    ]
+    assert not outside, "Ray outside raytrain_ft/launch/: " + "; ".join(outside)
+
+
+def test_rays_private_names_are_imported_only_by_the_adapter():
+    private = [
+        f"{path.relative_to(REPO)}:{line} imports {module} {names}"
+        for path in modules()
+        if path != ADAPTER
+        for line, module, names in ray_imports(path)
+        if "_internal" in module.split(".") or any(n.startswith("_") for n in names)
+    ]
+    assert not private, "Ray's private names outside launch/ray_internals.py: " + "; ".join(private)
+    assert any("_internal" in module for _, module, _ in ray_imports(ADAPTER))
+
+
+def test_the_checks_see_function_level_imports(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("def f():\n    import ray.data\n    from ray.train.v2._internal.x import Y\n")
+    assert [(line, module) for line, module, _ in ray_imports(sample)] == [
+        (2, "ray.data"),
+        (3, "ray.train.v2._internal.x"),
+    ]
