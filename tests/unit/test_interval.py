@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import REPO
 from raytrain_ft.checkpoint.interval import (
     CheckpointSchedule,
     cluster_mtbf_s,
@@ -21,6 +18,7 @@ from raytrain_ft.checkpoint.interval import (
     simulate_waste,
     young_interval_s,
 )
+from raytrain_ft.cli import main
 
 COST_S = 300.0  # a 5-minute checkpoint (docs/fault-tolerance.md)
 MTBF_S = 36_000.0  # 10,000 h per GPU / 1,000 GPUs = 10 h
@@ -90,27 +88,32 @@ def test_waste_and_steps_edges():
         cluster_mtbf_s(10_000, 0)
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "raytrain_ft.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """`raytrain-ft ARGS` in this process (no subprocess in the unit tier): exit status, stdout, stderr."""
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_plan_interval_seed_example(capsys):
+    rc, out, err = run_cli(
+        capsys, "plan-interval", "--mtbf-hours", "10000", "--gpus", "1000", "--checkpoint-seconds", "300"
     )
+    assert rc == 0, err
+    assert "77.5" in out  # Young, minutes
+    assert "10.0" in out  # cluster MTBF, hours
+    assert "74.2" in out  # Daly, minutes
+    assert "12.9" in out  # first-order waste at Daly's interval, percent
 
 
-def test_cli_plan_interval_seed_example():
-    r = run_cli("plan-interval", "--mtbf-hours", "10000", "--gpus", "1000", "--checkpoint-seconds", "300")
-    assert r.returncode == 0, r.stderr
-    assert "77.5" in r.stdout  # Young, minutes
-    assert "10.0" in r.stdout  # cluster MTBF, hours
-    assert "74.2" in r.stdout  # Daly, minutes
-    assert "12.9" in r.stdout  # first-order waste at Daly's interval, percent
-
-
-def test_cli_rejects_non_positive_input():
-    r = run_cli("plan-interval", "--mtbf-hours", "10000", "--gpus", "0", "--checkpoint-seconds", "300")
-    assert r.returncode == 2
-    assert r.stdout == ""
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+def test_cli_rejects_non_positive_input(capsys):
+    rc, out, err = run_cli(
+        capsys, "plan-interval", "--mtbf-hours", "10000", "--gpus", "0", "--checkpoint-seconds", "300"
+    )
+    assert rc == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
 
 
 def test_the_planning_mtbf_is_configured_until_three_failures_then_observed():
