@@ -122,7 +122,7 @@ class FailureSection:
       Train replaces only the dead one, which heals from a live peer's memory, not from storage.
       Each step's global batch is dealt over the replicas that joined that step's quorum, and the
       data position advances only when the step commits. Fixed `scaling.num_workers` and the `ddp`
-      strategy only (Ray Train 2.60 runs one worker per replica group); see docs/fault-tolerance.md.
+      strategy only (Ray Train 2.60 runs one worker per replica group); see docs/replica-recovery.md.
     """
 
     max_failures: int = 3  # worker-group restarts before the run fails (Ray FailureConfig)
@@ -136,7 +136,7 @@ class FailureSection:
 
 @dataclass
 class WaitsSection:
-    """Bounds of the waits no other key bounds (docs/fault-tolerance.md#every-wait-is-bounded lists every wait)."""
+    """Bounds of the waits no other key bounds (docs/restart-recovery.md#every-wait-is-bounded lists every wait)."""
 
     commit_timeout_s: float = 60.0  # wait for Ray Train to register a commit; then the attempt fails (a restart)
     data_timeout_s: float = 120.0  # wait for one step's batch from the data pipeline; then the attempt fails

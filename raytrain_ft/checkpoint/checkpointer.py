@@ -1,6 +1,6 @@
 """Async sharded checkpoints with `torch.distributed.checkpoint`, committed only when complete.
 
-Life of a checkpoint (see docs/fault-tolerance.md):
+Life of a checkpoint (see docs/restart-recovery.md):
 
 1. `save(step)`: `dcp.async_save` into `<root>/step-<N>` through a checksumming fsspec writer
    (`raytrain_ft.checkpoint.integrity`: every item and `.metadata` hashed as written, on the write thread),

@@ -80,7 +80,7 @@ def optimal_interval_s(cost_s: float, mtbf_s: float) -> float:
 
     Daly's estimate reduces to Young's for cheap checkpoints (`C / M -> 0`) and stays close to the
     true optimum of the exponential-failure model when they are not, so there is no case where
-    Young's is the better choice. `young_interval_s` is kept as the textbook formula (docs/fault-tolerance.md).
+    Young's is the better choice. `young_interval_s` is kept as the textbook formula (docs/restart-recovery.md).
     """
     return daly_interval_s(cost_s, mtbf_s)
 

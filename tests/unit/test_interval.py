@@ -20,7 +20,7 @@ from raytrain_ft.checkpoint.interval import (
 )
 from raytrain_ft.cli import main
 
-COST_S = 300.0  # a 5-minute checkpoint (docs/fault-tolerance.md)
+COST_S = 300.0  # a 5-minute checkpoint (docs/restart-recovery.md)
 MTBF_S = 36_000.0  # 10,000 h per GPU / 1,000 GPUs = 10 h
 WORK_S = 30 * 86_400.0  # a month of useful compute
 SEEDS = range(50)
