@@ -462,7 +462,7 @@ class Trainer:
         self.save_due |= self.schedule.due(step) and not (self.schedule.auto and self.checkpointer.pending)
         final = step == self.cfg.train.max_steps
         if (self.save_due and self.guard.consecutive == 0) or final:
-            if self.members.saves and (self.checks.fit_to_save(step) or final):
+            if self.members.saves and self.checks.fit_to_save(step):  # the final save too: never a diverged one
                 self.checkpointer.save(step, self.state, write_delay_s=self.faults.save_delay_s(step))
                 self.faults.after_save_started(step)
             self.schedule.saved(step)  # after a failed replica check too: the next try is an interval later

@@ -16,7 +16,7 @@ from conftest import GUARDED, assert_resumed, assert_same_state, events, final_s
 from local_run import local_run
 from raytrain_ft.checkpoint.checkpointer import load_model_state_dict
 from raytrain_ft.data.audit import read_audit
-from raytrain_ft.run_folder import step_path
+from raytrain_ft.run_folder import complete_steps, step_path
 
 
 def root(cfg) -> str:
@@ -108,6 +108,24 @@ def test_bitflip_is_detected_and_the_run_restarts_from_a_clean_checkpoint(tmp_pa
     assert [e["step"] for e in events(cfg.tracking.uri, run_id, "replica_mismatch")] == [15, 28]
     assert_resumed(cfg.tracking.uri, run_id, [0, 10, 25])
     assert_same_state(final_state(cfg, 30), reference[2])
+
+
+def test_under_warn_a_diverged_fingerprint_withholds_every_later_save_the_final_one_included(tmp_path, dataset):
+    """`on_alert: warn` (the default): the flip at 15 is logged at the fingerprint before the save of 15
+    and again before the final save at 20; neither is written, so no checkpoint holds diverged
+    replicas and the run ends on the last consistent one (10)."""
+    cfg = make_config(
+        tmp_path,
+        dataset,
+        "train.max_steps=20",
+        "guards.fingerprint.interval_steps=7",
+        "guards.on_alert=warn",
+        "faults=[{kind: bitflip, step: 15, rank: 1}]",
+    )
+    run_id = local_run(cfg)
+    assert [e["step"] for e in events(cfg.tracking.uri, run_id, "replica_mismatch")] == [15, 20]
+    assert complete_steps(root(cfg)) == [5, 10]
+    assert_resumed(cfg.tracking.uri, run_id, [0])  # warn: no restart
 
 
 def test_persistent_spikes_roll_back_and_skip_the_data_window(tmp_path, dataset):
