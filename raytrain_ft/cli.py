@@ -463,9 +463,9 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _extend(args: argparse.Namespace) -> int:
-    """Record a new `train.max_steps` for a wsd run (see `raytrain_ft.launch.driver.extend`)."""
+    """Record a new `train.max_steps` for a wsd run (see `raytrain_ft.extension.extend`)."""
     from raytrain_ft.errors import UserError
-    from raytrain_ft.launch.driver import extend
+    from raytrain_ft.extension import extend
     from raytrain_ft.telemetry.tracking import MlflowRecorder
 
     client = _store(args.tracking_uri)

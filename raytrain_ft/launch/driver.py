@@ -15,7 +15,7 @@ from ray.train import CheckpointConfig, ControllerError, FailureConfig, RunConfi
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from raytrain_ft.config import Config, to_dict
-from raytrain_ft.errors import CheckpointError, UserError, find_user_error
+from raytrain_ft.errors import UserError, find_user_error
 from raytrain_ft.launch import progress_watchdog
 from raytrain_ft.launch.callbacks import CommitAcknowledger, FailureRecorder, describe, plain_cause
 from raytrain_ft.launch.group_start import START_TIMEOUT_ENV, StartCleaner, baseline_resources
@@ -24,12 +24,11 @@ from raytrain_ft.launch.recorder_actor import RemoteRecorder, close, start_recor
 from raytrain_ft.launch.start_faults import StartFaultConfig, StartFaults
 from raytrain_ft.launch.tracking_server import lasting_path, tracking_store
 from raytrain_ft.launch.worker import train_func
-from raytrain_ft.preflight import newest_checkpoint, problems
+from raytrain_ft.preflight import problems
 from raytrain_ft.resilience.recovery import GROUP_START, failures, root_first, who
 from raytrain_ft.resilience.replicas import LIGHTHOUSE
 from raytrain_ft.resilience.waits import HEALTH_CHECK_INTERVAL_S
-from raytrain_ft.run_folder import raise_if_ended, record_extension, run_root, step_of
-from raytrain_ft.schedule import extension_refusal
+from raytrain_ft.run_folder import raise_if_ended, run_root
 from raytrain_ft.telemetry.tracking import MlflowRecorder, flatten, resolve_uri, start_or_resume_run
 
 log = logging.getLogger(__name__)
@@ -104,37 +103,6 @@ def preflight(cfg: Config) -> None:
     found = problems(cfg, ray.cluster_resources())
     if found:
         raise found[0]
-
-
-def extend(run_root: str, max_steps: int, recorder: MlflowRecorder) -> dict:
-    """Record that the run in `run_root` trains on to `max_steps`: in `<run folder>/extensions.json`
-    (what the next submission's preflight checks), as an `extended` event and the `max_steps` tag of
-    its MLflow run (`recorder`); the resumed run adds it to its checkpoints' fingerprint history
-    (`RunMeta.history`). Returns the record (`run_folder.read_extensions`).
-
-    Raises:
-        CheckpointError: no complete checkpoint yet, or the schedule refuses (one line with the reason).
-    """
-    newest = newest_checkpoint(run_root)
-    if newest is None:
-        raise CheckpointError(
-            f"{run_root} holds no complete checkpoint, so nothing trained is kept: submit it with the new "
-            "train.max_steps instead"
-        )
-    path, saved = newest
-    step = step_of(path)
-    if reason := extension_refusal(saved.fingerprint, max_steps, step):
-        raise CheckpointError(f"cannot extend {run_root} to train.max_steps={max_steps}: {reason}")
-    record = {
-        "time": time.time(),
-        "at_step": step,
-        "from_max_steps": saved.fingerprint["train.max_steps"],
-        "max_steps": max_steps,
-    }
-    record_extension(run_root, record)
-    recorder.event("extended", **record)
-    recorder.tags({"max_steps": str(max_steps)})
-    return record
 
 
 MAX_LINE = 300
