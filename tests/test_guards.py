@@ -16,6 +16,9 @@ from conftest import GUARDED, assert_resumed, assert_same_state, events, final_s
 from local_run import local_run
 from raytrain_ft.checkpoint.checkpointer import load_model_state_dict
 from raytrain_ft.data.audit import read_audit
+from raytrain_ft.data.manifest import load_manifest
+from raytrain_ft.data.order import window_sample_ids
+from raytrain_ft.data.position import BatchPlan, DataPosition
 from raytrain_ft.run_folder import complete_steps, step_path
 
 
@@ -140,6 +143,14 @@ def test_persistent_spikes_roll_back_and_skip_the_data_window(tmp_path, dataset)
     audit = read_audit(root(cfg))
     steps, ids = audit.column("step").to_numpy(), audit.column("sample_id").to_numpy()
     assert sorted(set(steps.tolist())) == list(range(1, 131))
+    # tied to the data order: the skipped ids are the global batches of steps 116-125 of the uninterrupted
+    # order (from step 115's position, epoch 1), and after the rollback step s trains the order's batch s + 10
+    at_115 = DataPosition(1, (115 - 74) * 8)
+    order = window_sample_ids(dataset, load_manifest(dataset), cfg.train.seed, at_115, BatchPlan(8, 2, 2), 25)
+    assert rollbacks[0]["skipped_sample_ids"] == order[:80]
+    for s in range(116, 131):
+        k = s - 116 + 10
+        assert sorted(ids[steps == s].tolist()) == sorted(order[k * 8 : (k + 1) * 8]), f"step {s}"
     epoch_1_after = set(ids[(steps > 115) & (steps <= 138)].tolist())  # epoch 1 runs to step 74 + (592 - 80) / 8
     assert skipped.isdisjoint(epoch_1_after)
     assert len(ids[steps > 74]) == len(set(ids[steps > 74].tolist()))  # still exactly once within epoch 1
