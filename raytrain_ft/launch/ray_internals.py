@@ -14,10 +14,13 @@ other module off `ray.*._internal` and the underscored names):
 - `WorkerGroupCallback` and `RunningState`: the hooks around a worker-group start (before its setup,
   at its shutdown or abort) and the state in which the controller holds a started group, which
   `launch.group_start.StartCleaner`, `launch.start_faults` and `launch.progress_watchdog.WatchRanks` use.
+- `_TorchBackend`: Ray Train's torch backend, whose process-group setup `launch.start_faults` extends
+  to fail a worker inside it (the `kill_in_setup` fault).
 - `ReplicaGroup` and `_TorchftBackend`: the backend of the public `TorchftConfig`, extended to tell
   a replacement replica from a whole-group start (`launch.replica_backend`).
 """
 
+from ray.train.torch.config import _TorchBackend as TorchBackend
 from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError, WorkerGroupStartupTimeoutError
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 from ray.train.v2._internal.execution.controller.state import (
@@ -36,6 +39,7 @@ __all__ = [
     "ReschedulingState",
     "RestartingState",
     "RunningState",
+    "TorchBackend",
     "TorchftBackend",
     "WorkerGroupCallback",
     "WorkerGroupStartupFailedError",

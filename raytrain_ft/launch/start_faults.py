@@ -20,10 +20,9 @@ import signal
 
 import ray
 from ray.train.torch import TorchConfig
-from ray.train.torch.config import _TorchBackend
 
 from raytrain_ft.config import FaultSpec
-from raytrain_ft.launch.ray_internals import WorkerGroupCallback
+from raytrain_ft.launch.ray_internals import TorchBackend, WorkerGroupCallback
 from raytrain_ft.resilience.faults import mark, start_faults_due
 from raytrain_ft.run_folder import read_commit_ack, step_of
 
@@ -43,7 +42,7 @@ def fire(worker_group, faults: list[FaultSpec], run_root: str, kind: str) -> Non
         ray.get([worker_group.execute_single_async(rank, _die) for rank in ranks])
 
 
-class _StartFaultBackend(_TorchBackend):
+class _StartFaultBackend(TorchBackend):
     def on_start(self, worker_group, backend_config) -> None:
         super().on_start(worker_group, backend_config)
         fire(worker_group, backend_config.faults, backend_config.run_root, "kill_in_setup")

@@ -171,6 +171,7 @@ def test_plan_goodput_from_run_takes_the_costs_the_run_measured(tmp_path, capsys
         rec.event(**{"world_size": 2, "step_time_s": 10.0, **e})
     # the survivors' committed steps (`last_step`, ms timestamps): step 41 at 25 s after the failure
     rec.client.log_batch(run_id, metrics=[Metric("last_step", 41, int((t0 + 525) * 1000), 41)])
+    assert rec.drain(30.0)  # the recorder sends in the background (`tracking.Outbox`)
     assert main(["plan-goodput", "--from-run", "measured", "--tracking-uri", uri, "--repetitions", "20"]) == 0
     out = capsys.readouterr().out
     assert "checkpoint_s 3 (run), save_s 40 (run), restart_s 40 (run), rejoin_s 90 (run), step_s 10 (run)" in out
