@@ -37,7 +37,7 @@ class DrainWatcher:
 
     Args:
         node_id: this worker's Ray node id (hex).
-        records: this worker records the node's `preemption` event (the node's first worker).
+        records: this worker records a `preemption` event for its rank.
         poll: the drain source (`draining_nodes`).
     """
 

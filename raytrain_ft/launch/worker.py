@@ -57,8 +57,9 @@ class RaySession:
         self.manifest = load_manifest(data_path)
         self.last_commit: str | None = None
         self.commit_timeout_s = commit_timeout_s
-        # the node's first worker records its preemption (one worker per replica: each replica its own)
-        self.drain = DrainWatcher(ray.get_runtime_context().get_node_id(), records=ctx.get_local_rank() == 0)
+        # every worker of a drained node records its preemption (its rank in the event): Ray Train's
+        # local rank counts workers per node IP, which several nodes share on one machine (`Cluster`)
+        self.drain = DrainWatcher(ray.get_runtime_context().get_node_id(), records=True)
 
     def recorder(self, attempt: bool) -> RemoteRecorder:
         if attempt:

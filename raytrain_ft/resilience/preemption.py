@@ -15,7 +15,7 @@ the same step:
   replica whose node went once a node with room for it exists). Only when every replica of the step
   is doomed does the step's saver write a checkpoint first.
 
-Each doomed node's first worker records a `preemption` event (`Preemption.answer`).
+Each worker of a doomed node records a `preemption` event (`Preemption.answer`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ PAST_DEADLINE_S = 10.0
 class Notice:
     """A drain notice for this worker's node. `noticed_at`: when this worker first saw it (unix
     seconds; up to the runtime's poll interval after the drain); `deadline`: when the node goes (unix
-    seconds; None: the drain gave none); `records`: this worker records the node's event (one per node)."""
+    seconds; None: the drain gave none); `records`: this worker records its rank's event."""
 
     node: str
     noticed_at: float
