@@ -107,18 +107,6 @@ def conflicts(cfg: Config, checkpoint_bytes: int | None = None) -> list[str]:
                 f"{ASSUMED_WRITE_BYTES_PER_S / 1e6:.0f} MB/s), which ranks wait out in the save's collectives; "
                 f"raise it to at least {2 * write_s:.0f}"
             )
-    if 0 < f.hang_timeout_s < f.collective_timeout_s:
-        found.append(
-            f"failure.hang_timeout_s={f.hang_timeout_s:g} is shorter than failure.collective_timeout_s="
-            f"{f.collective_timeout_s:g}: a stuck collective is killed as a hang before it can time out; raise "
-            "hang_timeout_s (or set it to 0) or lower collective_timeout_s"
-        )
-    if 0 < f.hang_timeout_s <= w.data_timeout_s:
-        found.append(
-            f"waits.data_timeout_s={w.data_timeout_s:g} is not shorter than failure.hang_timeout_s="
-            f"{f.hang_timeout_s:g}: a stalled read is killed as a hang before its own bound names it; lower "
-            "data_timeout_s"
-        )
     if w.commit_timeout_s <= 2 * HEALTH_CHECK_INTERVAL_S:
         found.append(
             f"waits.commit_timeout_s={w.commit_timeout_s:g} is not longer than two of Ray Train's report polls "
