@@ -21,7 +21,7 @@ from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.loop import forward_backward, rank_mean_loss
 from raytrain_ft.model.parallel import build
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 G, M, VOCAB, SEQ = 8, 2, 64, 16
 
 

@@ -29,7 +29,7 @@ from raytrain_ft.model.parallel import build
 from raytrain_ft.telemetry.goodput import GoodputLedger
 from raytrain_ft.validation import Validation
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, SEQ, N = 64, 16, 7  # 7 validation sequences: uneven over 2 ranks
 
 
