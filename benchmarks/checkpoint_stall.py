@@ -77,7 +77,7 @@ def main() -> None:
     state_bytes = sum(t.numel() * t.element_size() for t in model.parameters()) * 3  # weights + m + v
 
     arms = {"checksums": ChecksummedWriter, "no_checksums": FsspecWriter}
-    checkpointers = {arm: Checkpointer(f"{root}/{arm}", lambda step, path: None) for arm in arms}
+    checkpointers = {arm: Checkpointer(f"{root}/{arm}") for arm in arms}
     rounds: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
     for i in range(args.repeats + 1):  # the first round warms up (allocates the staging buffers)
         for arm, writer in arms.items():  # interleaved: a load change on the shared machine hits both arms

@@ -127,7 +127,7 @@ def main() -> int:
         state = TrainState(rank=0)
         state.add("model", ModelState(model))
         state.add("optim", OptimizerState(model, optimizer))
-        ckpt = Checkpointer(root, lambda step, path: None)
+        ckpt = Checkpointer(root)
 
         def async_round(step: int) -> tuple[float, dict[str, torch.Tensor]]:
             """Stall of one async save between two steps; returns it and the weights at the save."""

@@ -53,7 +53,7 @@ def worker(rank: int, args, cfg, uri: str, run_id: str, store: str, out: str) ->
     t.begin()
     for _ in range(args.steps - 1):  # warm-up, and the next full round starts at a checkpoint step
         t.step()
-    t.checkpointer.wait()
+    t.after_commit(t.checkpointer.wait())
 
     rng = random.Random(0)  # the same draws on both ranks
     rounds, stop = [], torch.zeros(1)
@@ -67,7 +67,7 @@ def worker(rank: int, args, cfg, uri: str, run_id: str, store: str, out: str) ->
             for _ in range(args.steps):
                 runner()
             if name == "full":
-                t.checkpointer.wait()  # the round's save is charged to its round, never to the next
+                t.after_commit(t.checkpointer.wait())  # the round's save is charged to its round, never to the next
             dist.barrier()
             steps_per_s[name] = args.steps / (time.perf_counter() - t0)
         rounds.append({"first": order[0][0], **steps_per_s, "ratio": steps_per_s["full"] / steps_per_s["bare"]})

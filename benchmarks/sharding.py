@@ -85,7 +85,7 @@ def worker(rank: int, args, root: str, out: str) -> None:
     state = TrainState(rank)
     state.add(KEY_MODEL, ModelState(par.model))
     state.add(KEY_OPTIM, OptimizerState(par.model, optimizer))
-    checkpointer = Checkpointer(root, lambda step, path: None)
+    checkpointer = Checkpointer(root)
     stalls, syncs = [], []
     for i in range(args.repeats + 1):
         t0 = time.perf_counter()

@@ -6,7 +6,7 @@ step hooks: construction only), calls `Trainer.begin` (restore, the attempt's re
 account, the auto checkpoint interval), then runs `Trainer.step` once per optimizer step: this
 rank's share of the global batch, at any world size (`data.position.BatchPlan`) -> forward/backward
 over its `grad_accum_steps` passes -> gradient reduction across replicas -> clip (global grad norm)
--> spike guard, one decision for every member -> commit or train the step again -> wait for the
+-> spike guard, one decision for every member -> the step accepted or trained again -> wait for the
 checkpoint snapshot -> optimizer step or skip -> LR scheduler -> advance the data
 position -> held-out validation at its interval (`validation`) -> rank check and replica fingerprint
 at their intervals, across the step's members -> roll back after persistent spikes, else save (after a
@@ -32,15 +32,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
 from raytrain_ft.checkpoint.checkpointer import Checkpointer, peek, restore_latest
 from raytrain_ft.checkpoint.fingerprint import fingerprint
-from raytrain_ft.checkpoint.interval import CheckpointSchedule, planning_mtbf_s
+from raytrain_ft.checkpoint.interval import CheckpointSchedule, agreed_schedule, agreed_update, planning_mtbf_s
 from raytrain_ft.checkpoint.train_state import (
     KEY_DATA,
     KEY_GOODPUT,
@@ -63,10 +61,11 @@ from raytrain_ft.checkpoint.train_state import (
 )
 from raytrain_ft.config import Config
 from raytrain_ft.data.audit import DataAudit
-from raytrain_ft.data.manifest import Manifest, load_manifest
+from raytrain_ft.data.batches import Batches, check_data_fits
+from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import steps_per_epoch, window_sample_ids
 from raytrain_ft.data.position import BatchPlan, DataPosition
-from raytrain_ft.errors import ConfigError, StorageFullError
+from raytrain_ft.errors import StorageFullError
 from raytrain_ft.hooks import StepHooks, StepResult
 from raytrain_ft.model.llama import lm_loss
 from raytrain_ft.model.parallel import Parallel, build
@@ -76,7 +75,6 @@ from raytrain_ft.resilience.preemption import Preemption, wait_out
 from raytrain_ft.resilience.recovery import RunHistory
 from raytrain_ft.resilience.replicas import Share, first_share, role, step_members
 from raytrain_ft.resilience.straggler import ComputeTimer, StragglerDetector, StragglerMonitor
-from raytrain_ft.resilience.waits import bounded
 from raytrain_ft.resilience.watchdog import StepBeat
 from raytrain_ft.run_folder import complete_steps, end_run, step_path
 from raytrain_ft.schedule import lr_schedule
@@ -87,79 +85,6 @@ from raytrain_ft.telemetry.step_metrics import StepMetrics
 from raytrain_ft.validation import Validation
 
 log = logging.getLogger(__name__)
-
-
-def check_data_fits(cfg: Config, manifest: Manifest) -> None:
-    """Raises ConfigError when `train.seq_len` disagrees with the dataset or it cannot fill one step."""
-    if cfg.train.seq_len not in (0, manifest.seq_len):
-        raise ConfigError(f"train.seq_len={cfg.train.seq_len} but the dataset has seq_len {manifest.seq_len}")
-    if cfg.train.global_batch_size > manifest.num_samples:
-        raise ConfigError(
-            f"train.global_batch_size={cfg.train.global_batch_size} exceeds the {manifest.num_samples} samples "
-            f"of {cfg.data.path}"
-        )
-    steps_per_epoch(manifest, cfg.train.global_batch_size, cfg.train.micro_batch_size)
-
-
-def step_batches(
-    session: Session, position: DataPosition, plan: BatchPlan, rank: int, steps_per_epoch: int
-) -> Iterator[list]:
-    """Endless iterator over steps; each item is this rank's `grad_accum_steps` passes (`BatchPlan.passes`)."""
-    epoch, start = position.epoch, position.consumed // plan.global_batch_size
-    lanes = len(plan.lanes(rank))
-    while True:
-        micro = session.micro_batches(epoch, start, steps_per_epoch, plan, rank)
-        for _ in range(steps_per_epoch - start):
-            yield plan.passes(rank, [next(micro) for _ in range(lanes)])
-        epoch, start = epoch + 1, 0
-
-
-def started(batches: Iterator[list]) -> Iterator[list]:
-    """`batches`, its first item fetched from now on in a background thread: the data pipeline
-    starts (Ray Data: read tasks, their worker processes) while the model builds and loads."""
-    fetching = ThreadPoolExecutor(1, thread_name_prefix="first-batch")  # named in stack dumps
-    first = fetching.submit(next, batches)
-    fetching.shutdown(wait=False)  # the thread ends once the first item is fetched
-
-    def chained() -> Iterator[list]:
-        yield first.result()
-        yield from batches
-
-    return chained()
-
-
-class Batches:
-    """This rank's passes of each step (`take`), read ahead from one stream while the steps follow
-    each other; read again from the data position when a step is not the one the stream is at: the
-    split changed (a replica quorum of another size), the position moved (a restore of an older
-    checkpoint, a rollback, a heal), or a step did not commit (`Replicas.commit`: the same passes
-    are returned again)."""
-
-    def __init__(self, session: Session, steps_per_epoch: int, position: DataPosition, share: Share, timeout_s: float):
-        self.session, self.steps_per_epoch, self.timeout_s = session, steps_per_epoch, timeout_s
-        self.stream = started(self._read(position, share))
-        self.next_key: tuple = (position.epoch, position.consumed, share)
-        self.last_key: tuple | None = None
-        self.last: list = []
-
-    def take(self, position: DataPosition, share: Share) -> list:
-        """The passes of the step at `position` for `share` (`BatchPlan.passes`)."""
-        key = (position.epoch, position.consumed, share)
-        if key == self.last_key:
-            return self.last
-        if key != self.next_key:
-            self.stream = self._read(position, share)
-        self.last, self.last_key = next(self.stream), key
-        after = DataPosition(position.epoch, position.consumed)
-        after.advance(share.plan.global_batch_size, self.steps_per_epoch)
-        self.next_key = (after.epoch, after.consumed, share)
-        return self.last
-
-    def _read(self, position: DataPosition, share: Share) -> Iterator[list]:
-        """The steps from `position`, each within `waits.data_timeout_s` (`waits.bounded`)."""
-        what = f"rank {self.session.rank}: the data pipeline (epoch {position.epoch}, from sample {position.consumed})"
-        steps = step_batches(self.session, position, share.plan, share.rank, self.steps_per_epoch)
-        return bounded(steps, self.timeout_s, what)
 
 
 def forward_backward(par: Parallel, plan: BatchPlan, passes: list[dict], loss_factor: float, device) -> float:
@@ -254,7 +179,7 @@ class Trainer:
         if self.rank == 0:
             self.state.add(KEY_GOODPUT, Pickled(self.ledger))
 
-        self.checkpointer = Checkpointer(session.run_root, self._commit, cfg.failure.collective_timeout_s)
+        self.checkpointer = Checkpointer(session.run_root, cfg.failure.collective_timeout_s)
         self.group = self.checkpointer.control_group  # CPU gloo group for guard collectives
         self.checks = RankChecks(cfg.guards, self.par, lambda: self.members, self.step_recorder, self.settle)
         self.validation = Validation(
@@ -367,20 +292,29 @@ class Trainer:
         planned, source = planning_mtbf_s(
             f.mtbf_hours_per_gpu, self.world_size, history.failure_times(), history.run_start, time.time()
         )
-        mtbf = torch.tensor([planned], dtype=torch.float64)
-        dist.broadcast(mtbf, src=0, group=self.group)
         self.attempt_recorder.tags({"mtbf_source": source})
-        return CheckpointSchedule(c.interval_steps, mtbf.item(), last_save_step=self.progress.step)
+        return agreed_schedule(c.interval_steps, planned, self.progress.step, self.group)
 
-    def _commit(self, step: int, path: str) -> None:
+    def save(self, step: int, write_delay_s: float = 0.0) -> None:
+        """Start the save of `step` (every rank); at most one is in flight: the previous one
+        completes and is committed first (waiting for its write is a stall: slow storage shows here)."""
+        self.after_commit(self.checkpointer.wait())
+        self.checkpointer.save(step, self.state, write_delay_s=write_delay_s)
+
+    def after_commit(self, step: int | None) -> None:
+        """The checkpoint of `step` is complete on every rank (`Checkpointer.poll`/`wait`; None: none
+        completed): commit it (`Session.commit`: a restart resumes from it), keep what it covers
+        (the audited steps, the recorded timeline), replan the auto interval with the save's figures."""
+        if step is None:
+            return
         self.audit.flush()
-        self.session.commit(step, path, {"step": step})
+        self.session.commit(step, step_path(self.session.run_root, step), {"step": step})
         self.recorder.committed(step)
-        if self.schedule.auto:  # every rank plans with the slowest rank's figures
+        if self.schedule.auto:
             cp = self.checkpointer
-            measured = torch.tensor([cp.last_cost_s, cp.last_duration_s, self.beat.median_step_s])
-            dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.group)
-            planned = self.schedule.update(*measured.tolist())
+            planned = agreed_update(
+                self.schedule, cp.last_cost_s, cp.last_duration_s, self.beat.median_step_s, self.group
+            )
             if planned:
                 self.recorder.metrics(step, planned)
         self.recorder.goodput(step, self.ledger.summary(time.time()))
@@ -396,7 +330,7 @@ class Trainer:
 
     def step(self) -> None:
         """One optimizer step on every rank (collectives: all ranks call it together). Under replica
-        recovery a step that does not commit returns early, its data position unchanged: the next
+        recovery a step that is not accepted returns early, its data position unchanged: the next
         call trains the same sequences again (`raytrain_ft.resilience.replicas`)."""
         share = self.members.begin()  # who trains this step; a replica behind its peers heals here
         step = self.progress.step + 1
@@ -418,7 +352,7 @@ class Trainer:
         loss_sum, skip, before_save, leaving, figures = self.members.agree(
             step, weighted, skip, may_save, self.preemption.take(), self.compute.seconds
         )
-        if not self.members.commit():  # a peer failed during the step: its time is lost to that failure
+        if not self.members.accepted():  # a peer failed during the step: its time is lost to that failure
             self.optimizer.zero_grad(set_to_none=True)
             self.ledger.add("replacement", time.time())
             return
@@ -451,7 +385,7 @@ class Trainer:
         if self.guard.consecutive >= self.cfg.guards.spike.max_consecutive_skips:
             self.rollback(step)
         else:
-            self.checkpointer.poll()
+            self.after_commit(self.checkpointer.poll())
             self.maybe_save(step, leaving)
         self.hooks.after_step(step)
 
@@ -463,7 +397,7 @@ class Trainer:
         final = step == self.cfg.train.max_steps
         if (self.save_due and self.guard.consecutive == 0) or final:
             if self.members.saves and self.checks.fit_to_save(step):  # the final save too: never a diverged one
-                self.checkpointer.save(step, self.state, write_delay_s=self.faults.save_delay_s(step))
+                self.save(step, write_delay_s=self.faults.save_delay_s(step))
                 self.faults.after_save_started(step)
             self.schedule.saved(step)  # after a failed replica check too: the next try is an interval later
             self.save_due = False
@@ -476,7 +410,7 @@ class Trainer:
         registered; a doomed rank records the notice and, as a replica, leaves and waits for its node's end."""
         saves = self.members.saves_before_leaving(leaving)
         if saves and (self.checkpointer.pending is None or self.checkpointer.pending[0] != step):
-            self.checkpointer.save(step, self.state)
+            self.save(step)
             self.schedule.saved(step)
         if saves or self.preemption.held:
             self.settle()
@@ -487,14 +421,14 @@ class Trainer:
             wait_out(notice)
 
     def settle(self) -> None:
-        """Finish the in-flight save and wait until the runtime registered every commit."""
-        self.checkpointer.wait()
+        """Finish and commit the in-flight save and wait until the runtime registered every commit."""
+        self.after_commit(self.checkpointer.wait())
         self.session.flush()
         self.recorder.registered()
 
     def rollback(self, step: int) -> None:
         """Persistent spikes: reload the last checkpoint before the streak and skip a data window."""
-        self.checkpointer.wait()
+        self.after_commit(self.checkpointer.wait())
         first_bad = step - self.guard.consecutive + 1
         before = [s for s in complete_steps(self.session.run_root) if s < first_bad]
         if not before:

@@ -36,10 +36,10 @@ from raytrain_ft.checkpoint.fingerprint import check_fingerprint, fingerprint
 from raytrain_ft.checkpoint.integrity import ChecksummedReader
 from raytrain_ft.checkpoint.train_state import KEY_META, RunMeta
 from raytrain_ft.config import Config
+from raytrain_ft.data.batches import check_data_fits
 from raytrain_ft.data.manifest import Manifest, load_manifest
 from raytrain_ft.data.position import check_world_sizes
 from raytrain_ft.errors import CheckpointError, ConfigError, CorruptCheckpointError, UserError
-from raytrain_ft.loop import check_data_fits
 from raytrain_ft.model.llama import model_config
 from raytrain_ft.model.memory import check_fits, plan_config
 from raytrain_ft.model.parallel import mesh_shape, resolve_strategy

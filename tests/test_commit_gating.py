@@ -13,7 +13,7 @@ from conftest import REPO
 def test_a_save_that_fails_on_one_rank_after_the_other_finished_commits_nowhere_and_both_resume_older(tmp_path):
     """Rank 1's write of step 10 fails (a real file-size limit cuts it short) a second after rank 0
     finished writing its own file. DCP gathers every rank's write result before the metadata is
-    written, so both ranks' saves fail; `Checkpointer._commit` re-raises instead of committing, the
+    written, so both ranks' saves fail; `Checkpointer._complete` re-raises instead of completing, the
     uncommitted folder is deleted, and both ranks restore step 5 bitwise (tests/scenarios/commit_gating.py)."""
     script = os.path.join(REPO, "tests", "scenarios", "commit_gating.py")
     r = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True, timeout=300)

@@ -43,7 +43,7 @@ def restored_model(cfg, step: int) -> torch.nn.Module:
     state = TrainState(0)
     state.add(KEY_MODEL, ModelState(par.model))
     state.add(KEY_META, RunMeta(fingerprint(cfg, manifest, num_params)))
-    loaded, keys = Checkpointer(run_root(cfg), lambda *_: None).restore(
+    loaded, keys = Checkpointer(run_root(cfg)).restore(
         state, [step_path(run_root(cfg), step)], lambda path, reason: pytest.fail(f"{path}: {reason}")
     )
     assert loaded == step_path(run_root(cfg), step) and keys == {KEY_MODEL}  # the run metadata is the config's

@@ -11,8 +11,9 @@ Life of a checkpoint (see docs/restart-recovery.md):
    first finishes the previous one.
 2. `poll()` (every step) asks all ranks, with one small all-reduce on a second gloo group, whether
    their write finished. DCP's coordinator writes `.metadata` only after every rank's write, so
-   "all done" means the folder is complete; only then is it committed through the `commit`
-   callback (Ray: `ray.train.report(..., checkpoint=..., NO_UPLOAD)`).
+   "all done" means the folder is complete: `poll()` (and `wait()`) return its step, and the
+   caller commits it (`Session.commit`; the loop's `Trainer.after_commit`). The words: see the
+   glossary in docs/architecture.md.
 3. On start, `cleanup()` deletes every `step-*` folder newer than the committed one or without
    `.metadata` (a save that never completed), and `restore()` loads the committed checkpoint, every
    byte verified against its checksum and every component required, falling back to older complete
@@ -151,30 +152,35 @@ class Checkpointer:
 
     Args:
         root: the run's folder (local path or fsspec URL); checkpoints go to `root/step-N`.
-        commit: called on every rank with (step, path) once the checkpoint is complete.
         timeout_s: the timeout of its two gloo groups' collectives (`failure.collective_timeout_s`;
             without it torch gives a new group 30 minutes, whatever the default group's timeout).
     """
 
-    def __init__(self, root: str, commit: Callable[[int, str], None], timeout_s: float = 600.0):
-        self.root, self.commit, self.timeout_s = root, commit, timeout_s
+    def __init__(self, root: str, timeout_s: float = 600.0):
+        self.root, self.timeout_s = root, timeout_s
         timeout = timedelta(seconds=timeout_s)
         self.save_group = dist.new_group(backend="gloo", timeout=timeout)
         self.control_group = dist.new_group(backend="gloo", timeout=timeout)
         self.pending: tuple[int, str, Future] | None = None  # (step, path, upload future)
         self.staging: Future | None = None  # future of the snapshot copy still in progress
         self.stall_s = 0.0  # seconds training was blocked in save() / wait_staged(), since start
-        self.last_cost_s = self.last_duration_s = 0.0  # of the last committed save: stall; start to commit
+        self.last_cost_s = self.last_duration_s = 0.0  # of the last completed save: its stall; start to complete
         self._started = self._pending_stall = self._stall_taken = 0.0
         cuda = torch.cuda.is_available()
         # Pinned host memory + non-blocking copies on GPU; on CPU a plain background copy.
         self.stager = DefaultStager(StagingOptions(cuda, False, True, cuda))
 
     def save(self, step: int, state: TrainState, write_delay_s: float = 0.0) -> None:
-        """Start an async save of `state` as `step-<step>` (finishes any earlier save first);
-        `write_delay_s` > 0 (fault injection) holds the write back that many seconds."""
+        """Start an async save of `state` as `step-<step>`; `write_delay_s` > 0 (fault injection)
+        holds the write back that many seconds.
+
+        Raises:
+            RuntimeError: a save is still in flight (at most one is: `wait()` for it first, and
+                commit the step it returns).
+        """
+        if self.pending is not None:
+            raise RuntimeError(f"step-{self.pending[0]} is still in flight: wait() for it before saving step-{step}")
         t0 = time.perf_counter()
-        self.wait()  # waiting for the previous write is a stall too (slow storage shows up here)
         self.check_space(step)
         path = step_path(self.root, step)
         writer = _SlowWriter(path, write_delay_s) if write_delay_s > 0 else ChecksummedWriter(path)
@@ -236,15 +242,23 @@ class Checkpointer:
         self._pending_stall += blocked
 
     def poll(self) -> int | None:
-        """Commit the pending save if every rank finished writing; return its step if committed."""
+        """The step of the pending save if every rank finished writing it (the checkpoint is
+        complete, the caller commits it), else None. A collective on every rank.
+
+        Raises: as `wait()`, for a write that failed."""
         if self.pending is None:
             return None
         flag = torch.tensor([int(self.pending[2].done())], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.control_group)
-        return self._commit() if flag.item() == 1 else None
+        return self._complete() if flag.item() == 1 else None
 
     def wait(self) -> int | None:
-        """Finish and commit the pending save, if any; return its step."""
+        """Finish the pending save, if any, on every rank; return its step (the checkpoint is
+        complete, the caller commits it), None when no save was in flight.
+
+        Raises:
+            StorageFullError, WaitTimeoutError, CheckpointException: see `_written`.
+        """
         if self.pending is None:
             return None
         t0 = time.perf_counter()
@@ -252,7 +266,7 @@ class Checkpointer:
         self._written(*self.pending[::2])
         dist.barrier(group=self.control_group)
         self._stalled(t0)  # all of it: training waits here (final save, settle before a fault or alert)
-        return self._commit()
+        return self._complete()
 
     def _written(self, step: int, upload) -> None:
         """Wait for this rank's write; a write that ran out of space becomes one line.
@@ -278,13 +292,13 @@ class Checkpointer:
             "(failure.collective_timeout_s); the storage is stalled or too slow for the bound"
         )
 
-    def _commit(self) -> int:
+    def _complete(self) -> int:
+        """Every rank's write of the pending save finished: clear it and return its step."""
         assert self.pending is not None
-        step, path, upload = self.pending
-        self._written(step, upload)  # re-raises a failed write instead of committing it
+        step, _, upload = self.pending
+        self._written(step, upload)  # re-raises a failed write: a failed save never completes
         self.pending = None
         self.last_cost_s, self.last_duration_s = self._pending_stall, time.perf_counter() - self._started
-        self.commit(step, path)
         return step
 
     def restore(

@@ -23,6 +23,8 @@ import math
 from numbers import Real
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
 SECONDS_PER_HOUR = 3600.0
 
@@ -218,3 +220,23 @@ class CheckpointSchedule:
             "median_step_time_s": step_time_s,
             "mtbf_s": self.mtbf_s,
         }
+
+
+def agreed_schedule(
+    interval_steps: int, mtbf_s: float, last_save_step: int, group: dist.ProcessGroup
+) -> CheckpointSchedule:
+    """The auto schedule (`checkpoint.interval: auto`) at the MTBF (seconds) rank 0 planned with:
+    broadcast over `group` (a collective), since the ranks' clocks differ and their plans must not."""
+    agreed = torch.tensor([mtbf_s], dtype=torch.float64)
+    dist.broadcast(agreed, src=0, group=group)
+    return CheckpointSchedule(interval_steps, agreed.item(), last_save_step=last_save_step)
+
+
+def agreed_update(
+    schedule: CheckpointSchedule, cost_s: float, save_s: float, step_time_s: float, group: dist.ProcessGroup
+) -> dict[str, float]:
+    """`schedule.update` with the slowest rank's figures (an all-reduce MAX over `group`, a
+    collective: every rank plans the same interval); returns what to log."""
+    measured = torch.tensor([cost_s, save_s, step_time_s])
+    dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
+    return schedule.update(*measured.tolist())

@@ -5,7 +5,7 @@ The loop asks its `StepMembers` five things per optimizer step, whatever the rec
 the forward/backward passes, `agree(step, loss, skip, may_save, doomed, compute_s)` (an `Agreement`:
 the members' summed loss, one spike-guard decision for all of them, whether the fingerprint runs before
 a save, how many members' nodes are being drained for preemption, `raytrain_ft.resilience.preemption`, and every
-member's straggler figure, `raytrain_ft.resilience.straggler`), `commit()`
+member's straggler figure, `raytrain_ft.resilience.straggler`), `accepted()` (whether the step counts)
 before the optimizer step, and `gather(row)` for the data audit and the guards' cross-member checks
 (`guards.RankChecks`: the rank-spread check and the replica fingerprint compare the rows of every
 member of the step); `saves` and `records` say whether this rank writes the step's checkpoint and
@@ -16,7 +16,7 @@ before a save is a collective there). Two implementations:
 * `WholeGroup` (`failure.recovery: restart`): every rank of the process group trains every step
   with the same split; the strategy (DDP, FSDP) already reduced the gradients; the ranks' guard
   decisions must be equal (they judge the same gradients: a disagreement raises
-  `SkipDisagreementError`); every step commits.
+  `SkipDisagreementError`); every step is accepted.
 * `Replicas` (`failure.recovery: replica`): every Ray Train worker is a replica group of one worker
   holding the full model (Ray Train 2.60 hard-codes `replica_group_size=1`), and a torchft
   `Manager` joins the replicas per step:
@@ -36,7 +36,7 @@ before a save is a collective there). Two implementations:
      (`BatchPlan.pass_weight`), so the result is the sum of the G sequences' loss gradients divided
      by G: the mean over the global batch, at any P. Every participant gets the same bits back
      (one all-reduce), so the replicas stay bitwise equal. The loss is summed alike.
-  4. `commit` is `Manager.should_commit`: False when a peer failed during the step (the all-reduce
+  4. `accepted()` is `Manager.should_commit`: False when a peer failed during the step (the all-reduce
      errored) or too few replicas took part. The loop then neither steps the optimizer nor
      advances the data position: the step is trained again, same sequences, by the next quorum.
   5. The guards compare across the participants: `gather` is an all-reduce over the quorum's
@@ -208,7 +208,8 @@ class WholeGroup:
         """False: a doomed rank trains on with the group until Ray Train restarts it."""
         return False
 
-    def commit(self) -> bool:
+    def accepted(self) -> bool:
+        """True: the whole group trains every step (a failed rank fails the attempt)."""
         return True
 
     def gather(self, row: torch.Tensor) -> torch.Tensor:
@@ -325,7 +326,7 @@ class Replicas:
 
     def reduce(self, par: Parallel) -> None:
         """Average the gradients over the step's participants in place. After a failed all-reduce
-        the values are garbage and `commit()` is False."""
+        the values are garbage and `accepted()` is False."""
         grads = [p.grad for p in par.model.parameters() if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         self.manager.allreduce(flat).wait()  # AVG: sum over the participants, divided by P
@@ -338,7 +339,7 @@ class Replicas:
         """(the participants' `loss` summed, whether any participant's guard skips the step, whether
         the step's saver may save after it, how many participants' nodes are drained, every
         participant's straggler figure from its `compute_s`, `agreed_row`): one all-reduce, before the
-        commit (a failed one makes `commit()` False). `may_save`: this replica saves (`saves`) and a
+        acceptance (a failed one makes `accepted()` False). `may_save`: this replica saves (`saves`) and a
         save may follow the step; when the saver's is True every participant runs the fingerprint after
         the optimizer step (`RankChecks.monitor`), so the saver's weights are compared with its peers'
         just before it saves them (`RankChecks.fit_to_save`). `doomed`: this replica's node is drained
@@ -371,7 +372,7 @@ class Replicas:
         self.manager.shutdown(wait=False)
         return True
 
-    def commit(self) -> bool:
+    def accepted(self) -> bool:
         """Whether the step counts (`Manager.should_commit`); False: train it again (a
         `step_not_committed` event). A replacement's first committed step: a `replica_joined` event."""
         participants = self.manager.num_participants()

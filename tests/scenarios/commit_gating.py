@@ -27,6 +27,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ import torch.multiprocessing as mp
 
 from raytrain_ft.checkpoint.checkpointer import Checkpointer, restore_latest
 from raytrain_ft.checkpoint.train_state import KEY_META, KEY_MODEL, ModelState, RunMeta, TrainState
+from raytrain_ft.run_folder import step_path
 from raytrain_ft.telemetry.recorder import NullRecorder
 
 WORLD_SIZE = 2
@@ -67,12 +69,16 @@ def tensors(state: TrainState) -> dict[str, torch.Tensor]:
     }
 
 
-def save_and_poll(ckpt: Checkpointer, step: int, state: TrainState, delay_s: float) -> tuple[str | None, float]:
-    """Save `step` and poll until it commits; return (`Type: message` if it failed, when it ended)."""
+def save_and_poll(
+    ckpt: Checkpointer, step: int, state: TrainState, delay_s: float, commit: Callable[[int], None]
+) -> tuple[str | None, float]:
+    """Save `step` and poll until it is complete, then `commit` it; return (`Type: message` if it
+    failed, when it ended)."""
     ckpt.save(step, state, write_delay_s=delay_s)
     while True:
         try:
-            if ckpt.poll() is not None:
+            if (complete := ckpt.poll()) is not None:
+                commit(complete)
                 return None, time.time()
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             return f"{type(e).__name__}: {e}", time.time()
@@ -84,16 +90,16 @@ def worker(rank: int, store: str, out: str) -> None:
     root = os.path.join(out, "run")
     committed: list[int] = []
 
-    def commit(step: int, path: str) -> None:
+    def commit(step: int) -> None:
         committed.append(step)
         if rank == 0:
             with open(os.path.join(root, "latest.tmp"), "w") as f:
-                f.write(path)
+                f.write(step_path(root, step))
             os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
 
     state = make_state(rank, seed=0)
-    ckpt = Checkpointer(root, commit)
-    first_error, _ = save_and_poll(ckpt, 5, state, 0.0)
+    ckpt = Checkpointer(root)
+    first_error, _ = save_and_poll(ckpt, 5, state, 0.0, commit)
     saved_at_5 = tensors(state)
     with torch.no_grad():  # training goes on: the state of step 10 differs
         for c in state.components.values():
@@ -104,7 +110,7 @@ def worker(rank: int, store: str, out: str) -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
         resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE_LIMIT, hard))
-    error, ended = save_and_poll(ckpt, 10, state, 1.0 if rank == 1 else 0.0)
+    error, ended = save_and_poll(ckpt, 10, state, 1.0 if rank == 1 else 0.0, commit)
     if rank == 1:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     own_file = os.path.join(root, "step-10", f"__{rank}_0.distcp")
@@ -112,7 +118,7 @@ def worker(rank: int, store: str, out: str) -> None:
     dist.barrier()
 
     restored = make_state(rank, seed=100)  # a restarted rank: other weights until the load
-    loaded, _ = restore_latest(Checkpointer(root, commit), restored, FileSession(root), NullRecorder())
+    loaded, _ = restore_latest(Checkpointer(root), restored, FileSession(root), NullRecorder())
     result = {
         "first_error": first_error,
         "committed": committed,

@@ -33,7 +33,7 @@ def saved_once(tmp_path, process_group):
     """A `Checkpointer` whose run folder holds one complete save (step 2) of a small model."""
     state = TrainState(0)
     state.add(KEY_MODEL, ModelState(torch.nn.Linear(64, 64)))
-    ckpt = Checkpointer(str(tmp_path / "run"), lambda step, path: None)
+    ckpt = Checkpointer(str(tmp_path / "run"))
     ckpt.save(2, state)
     assert ckpt.wait() == 2
     return ckpt, state

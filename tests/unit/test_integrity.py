@@ -75,7 +75,7 @@ class Run:
 def saved(tmp_path, process_group):
     """A run folder with committed step-4 and step-8 checkpoints; the state at each step."""
     root, run, states = str(tmp_path / "run"), Run(seed=0), {}
-    ckpt = Checkpointer(root, lambda step, path: None)
+    ckpt = Checkpointer(root)
     for step in (4, 8):
         run.train(4)
         states[step] = (run.tensors(), DataPosition(run.position.epoch, run.position.consumed))
@@ -86,7 +86,7 @@ def saved(tmp_path, process_group):
 
 def restore(root: str, run: Run, candidates: list[int]) -> tuple[str, list]:
     corrupt = []
-    loaded, _ = Checkpointer(root, lambda step, path: None).restore(
+    loaded, _ = Checkpointer(root).restore(
         run.state, [step_path(root, s) for s in candidates], lambda *a: corrupt.append(a)
     )
     return loaded, corrupt
@@ -210,7 +210,7 @@ def test_a_bug_in_the_restore_is_raised_not_taken_for_corruption(saved, monkeypa
     monkeypatch.setattr(ModelState, "load_state_dict", broken)
     corrupt = []
     with pytest.raises(TypeError, match="a bug"):
-        Checkpointer(root, lambda step, path: None).restore(
+        Checkpointer(root).restore(
             Run(seed=1).state, [step_path(root, 8), step_path(root, 4)], lambda *a: corrupt.append(a)
         )
     assert corrupt == []
@@ -245,7 +245,7 @@ def test_every_item_carries_a_checksum_written_on_the_save_thread(saved, monkeyp
     root, _ = saved
     run = Run(seed=2)
     run.train(1)
-    ckpt = Checkpointer(root, lambda step, path: None)
+    ckpt = Checkpointer(root)
     ckpt.save(9, run.state)
     assert ckpt.wait() == 9
     assert threads and "MainThread" not in threads
@@ -271,7 +271,7 @@ def test_checksums_on_an_object_store(tmp_path, process_group, monkeypatch):
     s3.makedirs("integrity", exist_ok=True)
     try:
         root, run = "s3://integrity/run", Run(seed=0)
-        ckpt = Checkpointer(root, lambda step, path: None)
+        ckpt = Checkpointer(root)
         run.train(2)
         expected = run.tensors()
         ckpt.save(2, run.state)

@@ -94,7 +94,7 @@ def test_one_replica_trains_the_whole_batch_and_commits(lighthouse, tmp_path):
     assert replicas.agree(6, 2.5, False, False, False, 2.0) == (2.5, False, False, 0, (0.25,))  # 2 s / 8 sequences
     ids = torch.tensor([4, 9, -1])
     assert torch.equal(replicas.gather(ids), ids[None])
-    assert replicas.commit()
+    assert replicas.accepted()
     optimizer.step()
     assert replicas.manager.current_step() == 6  # the Manager counts on from the restored step
 
@@ -190,7 +190,7 @@ class Replica:
         doomed = step in self.doomed_at
         _, skip, before_save, leaving, _ = self.replicas.agree(step, 0.0, step in self.skip_at, may_save, doomed, 0.0)
         self.leaving.append(leaving)
-        if self.replicas.commit():
+        if self.replicas.accepted():
             self.guard.record(1.0, skip)
             if skip:
                 self.skipped.append(step)
@@ -254,7 +254,7 @@ def attempt(r: Replica, step: int) -> bool:
     (r.model(r.data[r.position.consumed : r.position.consumed + g]).sum()).backward()
     r.replicas.reduce(r.par)
     r.replicas.agree(step, 0.0, False, False, False, 0.0)
-    committed = r.replicas.commit()
+    committed = r.replicas.accepted()
     r.optimizer.zero_grad(set_to_none=True)
     return committed
 

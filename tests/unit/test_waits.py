@@ -11,9 +11,9 @@ import torch
 from raytrain_ft.checkpoint.checkpointer import Checkpointer
 from raytrain_ft.checkpoint.train_state import KEY_MODEL, ModelState, TrainState
 from raytrain_ft.config import load_config
+from raytrain_ft.data.batches import Batches
 from raytrain_ft.data.position import BatchPlan, DataPosition
 from raytrain_ft.errors import ConfigError
-from raytrain_ft.loop import Batches
 from raytrain_ft.resilience.replicas import Share
 from raytrain_ft.resilience.waits import WaitTimeoutError, bounded, conflicts, wait_for
 from raytrain_ft.run_folder import read_commit_ack, write_commit_ack
@@ -103,7 +103,7 @@ def test_a_bounded_iterator_passes_items_and_errors_through():
 
 
 def test_the_checkpoint_groups_time_out_at_the_collective_timeout(tmp_path, process_group):
-    ckpt = Checkpointer(str(tmp_path), lambda step, path: None, timeout_s=7)
+    ckpt = Checkpointer(str(tmp_path), timeout_s=7)
     for group in (ckpt.save_group, ckpt.control_group):  # torch's default for a new group: 30 minutes
         assert group._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=7)
 
@@ -111,7 +111,7 @@ def test_the_checkpoint_groups_time_out_at_the_collective_timeout(tmp_path, proc
 def test_a_checkpoint_write_that_stalls_fails_the_attempt_in_one_line(tmp_path, process_group):
     state = TrainState(0)
     state.add(KEY_MODEL, ModelState(torch.nn.Linear(8, 8)))
-    ckpt = Checkpointer(str(tmp_path), lambda step, path: None, timeout_s=1)
+    ckpt = Checkpointer(str(tmp_path), timeout_s=1)
     ckpt.save(4, state, write_delay_s=5)  # the storage holds the write back 5 s
     with pytest.raises(WaitTimeoutError) as e:
         ckpt.wait()
