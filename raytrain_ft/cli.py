@@ -3,14 +3,15 @@
     raytrain-ft plan-interval --mtbf-hours 10000 --gpus 1000 --checkpoint-seconds 300
     raytrain-ft plan-goodput --gpus 1000 --mtbf-hours 10000 [--from-run RUN] [--json] [--plot FILE]
     raytrain-ft plan-memory --config configs/gpu-7b.yaml [--strategy ddp --micro-batch-size 2 ...]
-    raytrain-ft history RUN_NAME_OR_ID [--tracking-uri URI] [--json]   (or MLFLOW_TRACKING_URI)
+    raytrain-ft history RUN [--tracking-uri URI] [--json]   (or MLFLOW_TRACKING_URI)
     raytrain-ft check --config configs/gpu-7b.yaml [key=value ...] [--address RAY_ADDRESS]
-    raytrain-ft extend RUN_NAME_OR_ID --max-steps N [--tracking-uri ...]
+    raytrain-ft extend RUN --max-steps N [--tracking-uri ...]
     raytrain-ft runs [--tracking-uri ...] [--json]
     raytrain-ft export RUN [--step N] --out DIR [--data PATH] [--register NAME]
-    raytrain-ft verify RUN [--step N] [--storage-path runs]
+    raytrain-ft verify RUN [--step N] [--tracking-uri ...]
 
-Errors in the input print one `error: ...` line on stderr and exit with status 2.
+RUN is a run folder, an MLflow run id or a run name, found the same way by every command
+(`raytrain_ft.run_resolver.find_run`). Errors in the input print one `error: ...` line on stderr and exit with status 2.
 """
 
 from __future__ import annotations
@@ -23,6 +24,18 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 from raytrain_ft.checkpoint import interval
+
+RUN_HELP = "a run folder (run.storage_path/run.name), an MLflow run id, or a run name (raytrain_ft.run_resolver)"
+
+
+def _add_tracking_uri(p: argparse.ArgumentParser) -> None:
+    """`--tracking-uri`: the MLflow store a RUN is looked up in (`raytrain_ft.run_resolver`)."""
+    p.add_argument(
+        "--tracking-uri",
+        default="",
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///$HOME/raytrain-ft/mlflow.db, "
+        "where a run without tracking.uri logs)",
+    )
 
 
 def _plan_interval(args: argparse.Namespace) -> int:
@@ -126,8 +139,7 @@ def _measured_costs(run_name: str, tracking_uri: str) -> dict[str, float]:
     from raytrain_ft.resilience.planner import measured_costs
     from raytrain_ft.telemetry.tracking import MlflowRecorder, steps_logged_since
 
-    client = _store(tracking_uri)
-    run = _find_run(client, run_name)
+    client, run = _mlflow_run(run_name, tracking_uri)
     keys = ("train/step_time_s", "checkpoint_cost_s", "checkpoint_save_s", "train/checkpoint_stall_s")
     metrics = {k: [m.value for m in client.get_metric_history(run.info.run_id, k)] for k in keys}
     events = MlflowRecorder(client.tracking_uri, run.info.run_id).events()
@@ -207,12 +219,13 @@ def _add_plan_goodput(subparsers) -> None:
     p.add_argument(
         "--interval-seconds", type=float, default=None, help="compute between checkpoints (default: the best)"
     )
-    p.add_argument("--from-run", default=None, metavar="RUN", help="take the costs a finished run measured (MLflow)")
     p.add_argument(
-        "--tracking-uri",
-        default="",
-        help="MLflow tracking URI of --from-run (default: $MLFLOW_TRACKING_URI, else sqlite:///$HOME/raytrain-ft/mlflow.db)",
+        "--from-run",
+        default=None,
+        metavar="RUN",
+        help="take the costs a finished run measured (MLflow; " + RUN_HELP + ")",
     )
+    _add_tracking_uri(p)
     p.add_argument("--repetitions", type=int, default=200, help="months simulated (default 200)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -303,32 +316,12 @@ def _add_plan_memory(subparsers) -> None:
     p.set_defaults(func=_plan_memory)
 
 
-def _store(tracking_uri: str):
-    """An `MlflowClient` of the store `tracking_uri` names (default: as
-    `raytrain_ft.telemetry.tracking.resolve_uri`)."""
-    from mlflow.tracking import MlflowClient
+def _mlflow_run(run: str, tracking_uri: str):
+    """(the store's `MlflowClient`, the MLflow `Run` of RUN): `run_resolver.find_run`'s rules."""
+    from raytrain_ft.run_resolver import find_run, store
 
-    from raytrain_ft.telemetry.tracking import resolve_uri
-
-    uri = resolve_uri(tracking_uri)
-    if uri.startswith("sqlite:///") and not os.path.exists(uri.removeprefix("sqlite:///")):  # MLflow would create it
-        raise ValueError(
-            f"no MLflow store at {uri}; point --tracking-uri (or MLFLOW_TRACKING_URI) at the store the run logged to"
-        )
-    return MlflowClient(uri)
-
-
-def _find_run(client, run: str):
-    """The MLflow run named `run` (or with that id) in any experiment of `client`'s store."""
-    experiments = [e.experiment_id for e in client.search_experiments()]
-    matches = client.search_runs(experiments, f"attributes.run_id = '{run}'") if len(run) == 32 else []
-    matches = matches or client.search_runs(experiments, f"attributes.run_name = '{run}'")
-    if not matches:
-        raise ValueError(
-            f"no MLflow run named or with id {run!r} in {client.tracking_uri}; check the name, "
-            "or point --tracking-uri (or MLFLOW_TRACKING_URI) at the store the run logged to"
-        )
-    return matches[0]
+    found = find_run(run, tracking_uri)
+    return store(found.tracking_uri or tracking_uri), found.mlflow_run(tracking_uri)
 
 
 def history_report(client, run) -> dict:
@@ -365,8 +358,7 @@ def _history(args: argparse.Namespace) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    client = _store(args.tracking_uri)
-    run = _find_run(client, args.run)
+    client, run = _mlflow_run(args.run, args.tracking_uri)
     report = history_report(client, run)
     if args.json:
         print(json.dumps(report, default=str))
@@ -406,13 +398,8 @@ def _goodput_table(metrics: dict[str, float]):
 
 def _add_history(subparsers) -> None:
     p = subparsers.add_parser("history", help="a run's recovery history, guard events and goodput, from MLflow")
-    p.add_argument("run", help="MLflow run name (run.name) or run id")
-    p.add_argument(
-        "--tracking-uri",
-        default="",
-        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///$HOME/raytrain-ft/mlflow.db, "
-        "where a run without tracking.uri logs)",
-    )
+    p.add_argument("run", help=RUN_HELP)
+    _add_tracking_uri(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (tables, totals, goodput, events)")
     p.set_defaults(func=_history)
 
@@ -466,11 +453,15 @@ def _extend(args: argparse.Namespace) -> int:
     """Record a new `train.max_steps` for a wsd run (see `raytrain_ft.extension.extend`)."""
     from raytrain_ft.errors import UserError
     from raytrain_ft.extension import extend
+    from raytrain_ft.run_resolver import find_run, store
     from raytrain_ft.telemetry.tracking import MlflowRecorder
 
-    client = _store(args.tracking_uri)
-    run = _find_run(client, args.run)
-    run_root = os.path.join(run.data.params["run.storage_path"], run.data.params["run.name"])
+    found = find_run(args.run, args.tracking_uri)
+    client, run, run_root = (
+        store(found.tracking_uri or args.tracking_uri),
+        found.mlflow_run(args.tracking_uri),
+        found.folder(),
+    )
     try:
         recorder = MlflowRecorder(client.tracking_uri, run.info.run_id)
         record = extend(run_root, args.max_steps, recorder)
@@ -509,13 +500,9 @@ def _add_extend(subparsers) -> None:
         "before the decay phase; a resubmission with that train.max_steps then trains on as if it had been "
         "planned from the start (docs/extending-runs.md). Cosine runs and runs already decaying are refused.",
     )
-    p.add_argument("run", help="MLflow run name (run.name) or run id")
+    p.add_argument("run", help=RUN_HELP)
     p.add_argument("--max-steps", type=int, required=True, help="the new train.max_steps")
-    p.add_argument(
-        "--tracking-uri",
-        default="",
-        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///$HOME/raytrain-ft/mlflow.db)",
-    )
+    _add_tracking_uri(p)
     p.set_defaults(func=_extend)
 
 
@@ -550,7 +537,9 @@ def _runs(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    client = _store(args.tracking_uri)
+    from raytrain_ft.run_resolver import store
+
+    client = store(args.tracking_uri)
     experiments = [e.experiment_id for e in client.search_experiments()]
     rows = run_rows(client.search_runs(experiments, order_by=["attributes.start_time DESC"]) if experiments else [])
     if args.json:
@@ -567,11 +556,7 @@ def _runs(args: argparse.Namespace) -> int:
 
 def _add_runs(subparsers) -> None:
     p = subparsers.add_parser("runs", help="the runs of an MLflow store: status, progress, loss, restarts, goodput")
-    p.add_argument(
-        "--tracking-uri",
-        default="",
-        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///$HOME/raytrain-ft/mlflow.db)",
-    )
+    _add_tracking_uri(p)
     p.add_argument("--json", action="store_true", help="print one JSON object: {tracking_uri, runs: [rows]}")
     p.set_defaults(func=_runs)
 
@@ -580,11 +565,12 @@ def _export(args: argparse.Namespace) -> int:
     """A checkpoint as a Hugging Face model folder, optionally registered in MLflow (see `raytrain_ft.model.export`)."""
     from raytrain_ft.errors import UserError
     from raytrain_ft.model import export
+    from raytrain_ft.run_resolver import find_run
     from raytrain_ft.telemetry.tracking import resolve_uri
 
     uri = resolve_uri(args.tracking_uri)
     try:
-        checkpoint = export.choose_checkpoint(export.find_run(args.run, args.storage_path), args.step)
+        checkpoint = export.choose_checkpoint(find_run(args.run, args.tracking_uri).folder(), args.step)
         meta, _, _ = export.read_meta(checkpoint)
         data = args.data or export.run_data_path(uri, meta.mlflow_run_id)
         shard = args.max_shard_size or export.DEFAULT_MAX_SHARD_SIZE
@@ -609,8 +595,7 @@ def _add_export(subparsers) -> None:
         "folder `transformers.AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` load. "
         "Runs on one CPU process with no process group; memory stays within one weight file plus two tensors.",
     )
-    p.add_argument("run", help="the run folder (<run.storage_path>/<run.name>), or a run name under --storage-path")
-    p.add_argument("--storage-path", default="runs", help="where a run name is looked up (the run's run.storage_path)")
+    p.add_argument("run", help=RUN_HELP)
     p.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest complete one)")
     p.add_argument("--out", required=True, help="the model folder to write (new or empty)")
     p.add_argument(
@@ -621,24 +606,18 @@ def _add_export(subparsers) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
     p.add_argument("--max-shard-size", default=None, help="largest weight file, bytes or e.g. 500MB (default 5GB)")
     p.add_argument("--register", default=None, metavar="NAME", help="log to the run's MLflow run and register as NAME")
-    p.add_argument(
-        "--tracking-uri",
-        default="",
-        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///$HOME/raytrain-ft/mlflow.db)",
-    )
+    _add_tracking_uri(p)
     p.set_defaults(func=_export)
 
 
 def _verify(args: argparse.Namespace) -> int:
     """Check the committed checkpoints of a run: checksums of every stored byte and completeness
     (`raytrain_ft.checkpoint.integrity.verify_checkpoint`); one row each. Exit 1 if any is corrupt."""
-    import fsspec
-
     from raytrain_ft.checkpoint.integrity import verify_checkpoint
-    from raytrain_ft.run_folder import committed_steps, run_root, step_path
+    from raytrain_ft.run_folder import committed_steps, step_path
+    from raytrain_ft.run_resolver import find_run
 
-    fs, _ = fsspec.core.url_to_fs(args.run)
-    root = args.run if fs.isdir(args.run) else run_root(args.storage_path, args.run)
+    root = find_run(args.run, args.tracking_uri).folder()
     steps = committed_steps(root)
     if args.step is not None:
         if args.step not in steps:
@@ -646,7 +625,7 @@ def _verify(args: argparse.Namespace) -> int:
             raise ValueError(f"no committed checkpoint step-{args.step} in {root} (committed steps: {have})")
         steps = [args.step]
     if not steps:
-        raise ValueError(f"no committed checkpoints in {root}; RUN is a run folder, or a run.name under --storage-path")
+        raise ValueError(f"no committed checkpoints in {root}")
     corrupt = 0
     for step in steps:
         problems = verify_checkpoint(step_path(root, step))
@@ -664,11 +643,9 @@ def _add_verify(subparsers) -> None:
         "One row per checkpoint: ok, or corrupt with the damaged items. Exit status 0 if all are ok, "
         "1 if any is corrupt, 2 on bad input.",
     )
-    p.add_argument("run", help="the run's folder (run.storage_path/run.name, local or fsspec URL), or its run.name")
+    p.add_argument("run", help=RUN_HELP)
     p.add_argument("--step", type=int, default=None, help="check only the committed checkpoint of this step")
-    p.add_argument(
-        "--storage-path", default="runs", help="where a RUN given by name lives (run.storage_path; default: runs)"
-    )
+    _add_tracking_uri(p)
     p.set_defaults(func=_verify)
 
 

@@ -59,7 +59,7 @@ def batch(cfg, rows: int = 4) -> torch.Tensor:
 
 def export_args(cfg, out) -> list[str]:
     """The CLI line: the run by name, the dataset found through the run's MLflow params."""
-    return ["export", cfg.run.name, "--storage-path", cfg.run.storage_path, "--out", str(out)] + [
+    return ["export", cfg.run.name, "--out", str(out)] + [
         "--tracking-uri",
         cfg.tracking.uri,
     ]

@@ -36,7 +36,7 @@ from raytrain_ft.checkpoint.integrity import verify_checkpoint
 from raytrain_ft.checkpoint.train_state import KEY_META, KEY_MODEL, KEY_PROGRESS, Pickled, Progress, RunMeta
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.errors import CheckpointError, DataError, UserError
-from raytrain_ft.run_folder import METADATA_FILE, complete_steps, run_root, step_path
+from raytrain_ft.run_folder import METADATA_FILE, complete_steps, step_path
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # huggingface_hub's default; transformers 5's save_pretrained uses 50GB
 SHARD_PATTERN = "model{suffix}.safetensors"  # huggingface_hub.constants.SAFETENSORS_WEIGHTS_FILE_PATTERN
@@ -259,22 +259,6 @@ def _tokenizer(data_path: str, tokenizer_file: str, eos_id: int, seq_len: int):
     eos = tok.id_to_token(eos_id)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=eos, bos_token=eos, pad_token=eos, model_max_length=seq_len
-    )
-
-
-def find_run(run: str, storage_path: str) -> str:
-    """The run folder `run` names: a folder holding `step-N` checkpoints, else `<storage_path>/<run>`
-    (a run name, as `run.name`).
-
-    Raises:
-        CheckpointError: neither holds a complete checkpoint.
-    """
-    for root in (run, run_root(storage_path, run)):
-        if complete_steps(root):
-            return root.rstrip("/")
-    raise CheckpointError(
-        f"no complete checkpoint in {run} nor in {run_root(storage_path, run)}; "
-        "pass a run folder, or a run name with --storage-path (the run's run.storage_path)"
     )
 
 

@@ -138,14 +138,12 @@ def test_another_dataset_or_a_non_empty_folder_is_refused(tiny, tmp_path):
         export_checkpoint(checkpoint, str(tmp_path / "full"), data)
 
 
-def test_cli_finds_a_run_by_name_and_refuses_a_missing_step_in_one_line(tiny, tmp_path, capsys):
+def test_cli_finds_a_run_folder_and_refuses_a_missing_step_in_one_line(tiny, tmp_path, capsys):
     checkpoint, data = tiny
-    storage = os.path.dirname(os.path.dirname(checkpoint))  # <tmp>/tiny: the run is named "run"
-    args = ["export", "run", "--storage-path", storage, "--data", data]
+    root = os.path.dirname(checkpoint)  # <tmp>/tiny/run (by name or id: tests/unit/test_run_resolver.py)
+    args = ["export", root, "--data", data]
     assert main([*args, "--step", "3", "--out", str(tmp_path / "a")]) == 2
-    assert capsys.readouterr().err == f"error: {storage}/run has no complete checkpoint at step 3; complete steps: 7\n"
-    assert main(["export", "nope", "--storage-path", storage, "--out", str(tmp_path / "a")]) == 2
-    assert capsys.readouterr().err.startswith(f"error: no complete checkpoint in nope nor in {storage}/nope;")
+    assert capsys.readouterr().err == f"error: {root} has no complete checkpoint at step 3; complete steps: 7\n"
     assert main([*args, "--out", str(tmp_path / "b")]) == 0
     assert "(step 7)" in capsys.readouterr().out
     assert os.path.exists(tmp_path / "b" / "model.safetensors")
@@ -154,11 +152,17 @@ def test_cli_finds_a_run_by_name_and_refuses_a_missing_step_in_one_line(tiny, tm
 def test_register_logs_the_export_to_the_run_and_registers_a_version_that_points_at_it(tmp_path, capsys):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     storage, data = tmp_path / "runs", synthetic_dataset(str(tmp_path / "data"), 64)
-    run_id = start_or_resume_run(uri, "export", str(storage / "lm"), "lm", {"data.path": data})
+    run_id = start_or_resume_run(
+        uri,
+        "export",
+        str(storage / "lm"),
+        "lm",
+        {"data.path": data, "run.storage_path": str(storage), "run.name": "lm"},
+    )
     MlflowClient(uri).set_terminated(run_id)
     synthetic_checkpoint(str(storage / "lm"), "tiny", 512, 64, step=12, mlflow_run_id=run_id)
     out = tmp_path / "hf"
-    args = ["export", "lm", "--storage-path", str(storage), "--out", str(out), "--tracking-uri", uri]
+    args = ["export", "lm", "--out", str(out), "--tracking-uri", uri]  # found by name in the store
     assert main([*args, "--register", "tiny-lm"]) == 0  # the dataset found through the run's data.path param
     assert f"registered tiny-lm version 1 (run {run_id})" in capsys.readouterr().out
 

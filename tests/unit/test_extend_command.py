@@ -73,7 +73,7 @@ def test_extend_during_the_decay_or_of_a_cosine_run_is_refused_in_one_line(store
 def test_extend_of_an_unknown_run_or_one_without_a_checkpoint_is_refused_in_one_line(store, capsys):
     uri, root = store
     assert main(["extend", "nope", "--max-steps", "30", "--tracking-uri", uri]) == 2
-    assert capsys.readouterr().err.startswith("error: no MLflow run named or with id 'nope'")
+    assert capsys.readouterr().err.startswith("error: no run 'nope': not a run folder, nor an MLflow run id")
     assert main(["extend", "demo", "--max-steps", "30", "--tracking-uri", uri]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds no complete checkpoint" in err
