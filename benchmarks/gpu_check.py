@@ -64,7 +64,8 @@ def main() -> int:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from raytrain_ft.checkpoint.checkpointer import Checkpointer, load_model_state_dict
+    from raytrain_ft.checkpoint.checkpointer import Checkpointer
+    from raytrain_ft.checkpoint.reader import load_model_state_dict
     from raytrain_ft.checkpoint.train_state import ModelState, OptimizerState, TrainState
     from raytrain_ft.config import load_config
     from raytrain_ft.model.hardware import GPUS

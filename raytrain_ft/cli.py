@@ -563,6 +563,7 @@ def _add_runs(subparsers) -> None:
 
 def _export(args: argparse.Namespace) -> int:
     """A checkpoint as a Hugging Face model folder, optionally registered in MLflow (see `raytrain_ft.model.export`)."""
+    from raytrain_ft.checkpoint.reader import CheckpointReader
     from raytrain_ft.errors import UserError
     from raytrain_ft.model import export
     from raytrain_ft.run_resolver import find_run
@@ -571,8 +572,9 @@ def _export(args: argparse.Namespace) -> int:
     uri = resolve_uri(args.tracking_uri)
     try:
         checkpoint = export.choose_checkpoint(find_run(args.run, args.tracking_uri).folder(), args.step)
-        meta, _, _ = export.read_meta(checkpoint)
-        data = args.data or export.run_data_path(uri, meta.mlflow_run_id)
+        data = args.data or export.run_data_path(
+            uri, CheckpointReader(checkpoint, verified=False).run_meta().mlflow_run_id
+        )
         shard = args.max_shard_size or export.DEFAULT_MAX_SHARD_SIZE
         shard = int(shard) if shard.isdigit() else shard
         result = export.export_checkpoint(checkpoint, args.out, data, max_shard_size=shard, dtype=args.dtype)

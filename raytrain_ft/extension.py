@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 
+from raytrain_ft.checkpoint.reader import newest_checkpoint
 from raytrain_ft.errors import CheckpointError
-from raytrain_ft.preflight import newest_checkpoint
 from raytrain_ft.run_folder import record_extension, step_of
 from raytrain_ft.schedule import extension_refusal
 from raytrain_ft.telemetry.recorder import Recorder

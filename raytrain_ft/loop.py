@@ -36,9 +36,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from raytrain_ft.checkpoint.checkpointer import Checkpointer, peek, restore_latest
+from raytrain_ft.checkpoint.checkpointer import Checkpointer, restore_latest
 from raytrain_ft.checkpoint.fingerprint import fingerprint
 from raytrain_ft.checkpoint.interval import CheckpointSchedule, agreed_schedule, agreed_update, planning_mtbf_s
+from raytrain_ft.checkpoint.reader import peek
 from raytrain_ft.checkpoint.train_state import (
     KEY_DATA,
     KEY_GOODPUT,

@@ -31,15 +31,14 @@ from collections.abc import Callable
 
 import fsspec
 
-from raytrain_ft.checkpoint.checkpointer import corruption_of, load_alone
 from raytrain_ft.checkpoint.fingerprint import check_fingerprint, fingerprint
-from raytrain_ft.checkpoint.integrity import ChecksummedReader
-from raytrain_ft.checkpoint.train_state import KEY_META, RunMeta
+from raytrain_ft.checkpoint.reader import newest_checkpoint
+from raytrain_ft.checkpoint.train_state import RunMeta
 from raytrain_ft.config import Config
 from raytrain_ft.data.batches import check_data_fits
 from raytrain_ft.data.manifest import Manifest, load_manifest
 from raytrain_ft.data.position import check_world_sizes
-from raytrain_ft.errors import CheckpointError, ConfigError, CorruptCheckpointError, UserError
+from raytrain_ft.errors import CheckpointError, ConfigError, UserError
 from raytrain_ft.model.llama import model_config
 from raytrain_ft.model.memory import check_fits, plan_config
 from raytrain_ft.model.parallel import mesh_shape, resolve_strategy
@@ -51,7 +50,6 @@ from raytrain_ft.run_folder import (
     read_extensions,
     read_latest,
     run_root,
-    step_path,
 )
 from raytrain_ft.telemetry.tracking import resolve_uri
 
@@ -254,26 +252,6 @@ def check_checkpoint_compatible(cfg: Config, manifest, run_root: str) -> None:
         )
     if check_fingerprint(path, saved.fingerprint, fingerprint(cfg, manifest, num_params)) is not None:
         check_extended(cfg, run_root, path, saved)
-
-
-def newest_checkpoint(run_root: str) -> tuple[str, RunMeta] | None:
-    """(path, run metadata) of the newest intact complete checkpoint under `run_root`; None before
-    the first. Corrupt ones (checksums, `raytrain_ft.checkpoint.integrity`) are skipped here: the workers'
-    restore falls back past them and records each."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    for step in reversed(complete_steps(run_root)):
-        path, saved = step_path(run_root, step), RunMeta(fingerprint={})
-        reader = ChecksummedReader(path)
-        try:
-            reader.read_metadata()  # checked here: inside dcp.load DCP reports it as a bare AssertionError
-            load_alone({KEY_META: saved}, reader)
-        except (CorruptCheckpointError, CheckpointException) as e:
-            if corruption_of(e) is None:
-                raise
-            continue
-        return path, saved
-    return None
 
 
 def check_extended(cfg: Config, run_root: str, path: str, saved: RunMeta) -> None:

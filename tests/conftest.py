@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from mlflow.tracking import MlflowClient
 
-from raytrain_ft.checkpoint.checkpointer import load_model_state_dict, load_tensors
+from raytrain_ft.checkpoint.reader import load_model_state_dict, load_tensors
 from raytrain_ft.config import TrainSection, load_config
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import EpochOrder, steps_per_epoch

@@ -10,10 +10,10 @@ from mlflow.tracking import MlflowClient
 
 from conftest import assert_resumed, assert_same_state, final_state, make_config, metric_by_step, run_root
 from local_run import LocalRunFailed, local_run
+from raytrain_ft.checkpoint.reader import newest_checkpoint
 from raytrain_ft.cli import main
 from raytrain_ft.errors import CheckpointError
 from raytrain_ft.launch.driver import run
-from raytrain_ft.preflight import newest_checkpoint
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

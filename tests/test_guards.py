@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 
 from conftest import GUARDED, assert_resumed, assert_same_state, events, final_state, make_config
 from local_run import local_run
-from raytrain_ft.checkpoint.checkpointer import load_model_state_dict
+from raytrain_ft.checkpoint.reader import load_model_state_dict
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import window_sample_ids

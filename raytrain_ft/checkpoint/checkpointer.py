@@ -22,13 +22,11 @@ Life of a checkpoint (see docs/restart-recovery.md):
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
 import shutil
 import time
-import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -42,12 +40,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
-from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.checkpoint.storage import StorageReader
 
 from raytrain_ft.checkpoint.fingerprint import check_fingerprint
 from raytrain_ft.checkpoint.integrity import ChecksummedReader, ChecksummedWriter, CompleteLoadPlanner
-from raytrain_ft.checkpoint.train_state import KEY_META, KEY_MODEL, RunMeta, TrainState, missing_components
+from raytrain_ft.checkpoint.train_state import KEY_META, RunMeta, TrainState, missing_components
 from raytrain_ft.errors import CheckpointError, CorruptCheckpointError, StorageFullError
 from raytrain_ft.resilience.waits import WaitTimeoutError
 from raytrain_ft.run_folder import complete_steps, list_step_dirs, step_of, step_path
@@ -422,57 +418,3 @@ def restore_latest(
 
     loaded, keys = checkpointer.restore(state, candidates, on_corrupt, read_delay_s)
     return (step_of(loaded) if loaded else None), keys
-
-
-def peek(checkpoint: str | None, components: dict[str, Stateful]) -> None:
-    """Load small non-tensor `components` (e.g. the data position) from `checkpoint` on this rank
-    alone, with no collective, before the model exists: what the rank can start early (the data
-    pipeline) while the full `restore_latest` runs. Leaves them as they are when there is no
-    checkpoint or it does not load (the full restore then reports why)."""
-    if checkpoint is None:
-        return
-    with contextlib.suppress(Exception, CheckpointException):  # CheckpointException is a BaseException
-        reader = ChecksummedReader(checkpoint)
-        reader.read_metadata()
-        load_alone(components, reader)
-
-
-def load_alone(state: dict, reader: StorageReader) -> None:
-    """`dcp.load(state)` from `reader` in this process alone (`no_dist`: no process group, no
-    collective), without DCP's warning that "torch.distributed is disabled" (the intent here; a
-    CLI's one-line error must not follow a warning on stderr).
-
-    Raises:
-        CheckpointException: from `dcp.load` (`corruption_of` tells a corrupt file).
-    """
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(state, storage_reader=reader, no_dist=True)
-
-
-def load_model_state_dict(checkpoint_dir: str) -> dict[str, torch.Tensor]:
-    """The model weights of any checkpoint folder, as CPU tensors keyed like the HF model's `state_dict`.
-
-    Raises:
-        CheckpointError: the folder is not a complete checkpoint.
-    """
-    return _load_prefixed(checkpoint_dir, KEY_MODEL)
-
-
-def load_tensors(checkpoint_dir: str, prefix: str) -> dict[str, torch.Tensor]:
-    """Every tensor under a top-level key (e.g. `optim`) of a checkpoint, flattened keys, CPU."""
-    return _load_prefixed(checkpoint_dir, prefix)
-
-
-def _load_prefixed(checkpoint_dir: str, prefix: str) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = ChecksummedReader(checkpoint_dir)
-    meta = reader.read_metadata()
-    tensors = {
-        k: torch.empty(m.size, dtype=m.properties.dtype)
-        for k, m in meta.state_dict_metadata.items()
-        if k.startswith(prefix + ".") and isinstance(m, TensorStorageMetadata)
-    }
-    load_alone(tensors, reader)
-    return {k[len(prefix) + 1 :]: v for k, v in tensors.items()}

@@ -28,15 +28,14 @@ from dataclasses import dataclass
 
 import fsspec
 import torch
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from raytrain_ft.checkpoint.checkpointer import load_alone
 from raytrain_ft.checkpoint.integrity import verify_checkpoint
-from raytrain_ft.checkpoint.train_state import KEY_META, KEY_MODEL, KEY_PROGRESS, Pickled, Progress, RunMeta
+from raytrain_ft.checkpoint.reader import CheckpointReader
+from raytrain_ft.checkpoint.train_state import KEY_MODEL
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.errors import CheckpointError, DataError, UserError
-from raytrain_ft.run_folder import METADATA_FILE, complete_steps, step_path
+from raytrain_ft.run_folder import complete_steps, step_path
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # huggingface_hub's default; transformers 5's save_pretrained uses 50GB
 SHARD_PATTERN = "model{suffix}.safetensors"  # huggingface_hub.constants.SAFETENSORS_WEIGHTS_FILE_PATTERN
@@ -69,22 +68,6 @@ class Export:
     weight_files: list[str]
     total_bytes: int
     bound_bytes: int
-
-
-def read_meta(checkpoint: str) -> tuple[RunMeta, int, Metadata]:
-    """The checkpoint's `RunMeta` (fingerprint, MLflow run id), its step and its DCP metadata.
-
-    Raises:
-        CheckpointError: no checkpoint at `checkpoint` (no `.metadata`: absent, or a save that never completed).
-    """
-    reader = FsspecReader(checkpoint)
-    try:
-        metadata = reader.read_metadata()
-    except FileNotFoundError:
-        raise CheckpointError(f"{checkpoint} is not a complete checkpoint (no {METADATA_FILE})") from None
-    meta, progress = RunMeta(fingerprint={}), Progress()
-    load_alone({KEY_META: meta, KEY_PROGRESS: Pickled(progress)}, FsspecReader(checkpoint))
-    return meta, progress.step, metadata
 
 
 def check_complete(checkpoint: str, metadata: Metadata, expected: dict[str, torch.Size]) -> None:
@@ -159,7 +142,8 @@ def export_checkpoint(
         raise UserError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise UserError(f"{out_dir} is not empty; export into a new or empty folder")
-    meta, step, metadata = read_meta(checkpoint)
+    saved = CheckpointReader(checkpoint, verified=False)  # every byte is verified below, before the weights
+    meta, step, metadata = saved.run_meta(), saved.step(), saved.metadata
     fp = meta.fingerprint
     manifest = load_manifest(data_path)
     if manifest.fingerprint != fp["data.fingerprint"]:
@@ -190,10 +174,10 @@ def export_checkpoint(
         shard = {}
         for name in names:
             key = f"{KEY_MODEL}.{name}"
-            saved = metadata.state_dict_metadata[key]
-            assert isinstance(saved, TensorStorageMetadata)  # model weights are tensors (check_complete)
-            tensor = torch.empty(saved.size, dtype=saved.properties.dtype)
-            load_alone({key: tensor}, FsspecReader(checkpoint))
+            entry = metadata.state_dict_metadata[key]
+            assert isinstance(entry, TensorStorageMetadata)  # model weights are tensors (check_complete)
+            tensor = torch.empty(entry.size, dtype=entry.properties.dtype)
+            saved.load({key: tensor})
             shard[name] = tensor.to(target)
         save_file(shard, os.path.join(out_dir, filename), metadata={"format": "pt"})
     if split.is_sharded:

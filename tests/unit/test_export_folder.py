@@ -16,12 +16,12 @@ from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from raytrain_ft.checkpoint.checkpointer import load_model_state_dict
 from raytrain_ft.checkpoint.integrity import ChecksummedWriter
+from raytrain_ft.checkpoint.reader import CheckpointReader, load_model_state_dict
 from raytrain_ft.checkpoint.train_state import KEY_META, KEY_MODEL, KEY_PROGRESS, Pickled, Progress
 from raytrain_ft.cli import main
 from raytrain_ft.errors import CheckpointError, DataError, UserError
-from raytrain_ft.model.export import INDEX_FILE, export_checkpoint, read_meta
+from raytrain_ft.model.export import INDEX_FILE, export_checkpoint
 from raytrain_ft.telemetry.tracking import start_or_resume_run
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
@@ -116,7 +116,8 @@ def test_a_checkpoint_missing_a_weight_is_refused_naming_it(tmp_path):
     checkpoint = synthetic_checkpoint(str(tmp_path / "run"), "tiny", 512, 64)
     weights = load_model_state_dict(checkpoint)
     del weights["model.norm.weight"]
-    meta, step, _ = read_meta(checkpoint)
+    saved = CheckpointReader(checkpoint)
+    meta, step = saved.run_meta(), saved.step()
     shutil.rmtree(checkpoint)
     state = {KEY_MODEL: weights, KEY_META: meta, KEY_PROGRESS: Pickled(Progress(step))}
     dcp.save(state, storage_writer=ChecksummedWriter(checkpoint), no_dist=True)

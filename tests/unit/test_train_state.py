@@ -11,8 +11,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import assert_tensors_equal
-from raytrain_ft.checkpoint.checkpointer import Checkpointer, _SlowWriter, load_model_state_dict
+from raytrain_ft.checkpoint.checkpointer import Checkpointer, _SlowWriter
 from raytrain_ft.checkpoint.integrity import ChecksummedWriter
+from raytrain_ft.checkpoint.reader import load_model_state_dict
 from raytrain_ft.checkpoint.train_state import (
     KEY_META,
     KEY_MODEL,
