@@ -65,6 +65,23 @@ def test_scheduler_state_round_trips_exactly(tmp_path):
     assert resumed == lrs and lrs[0] != lrs[-1]
 
 
+def test_a_save_while_one_is_in_flight_is_refused_and_each_completed_step_is_returned(tmp_path, process_group):
+    # at most one save in flight: the caller completes (and commits) the previous one first, so no
+    # completed step is lost inside `save` (the loop's `Trainer.save`: `after_commit(wait())`)
+    state = TrainState(rank=0)
+    state.add("model", ModelState(torch.nn.Linear(8, 8)))
+    ckpt = Checkpointer(str(tmp_path))
+    assert ckpt.poll() is None and ckpt.wait() is None  # nothing in flight: nothing completes
+    ckpt.save(1, state, write_delay_s=0.5)
+    with pytest.raises(RuntimeError, match=r"^step-1 is still in flight: wait\(\) for it before saving step-2$"):
+        ckpt.save(2, state)
+    assert ckpt.wait() == 1 and ckpt.pending is None
+    ckpt.save(2, state)
+    while (complete := ckpt.poll()) is None:
+        pass
+    assert complete == 2 and ckpt.wait() is None
+
+
 def test_async_snapshot_is_not_torn_by_later_updates(tmp_path, process_group, monkeypatch):
     # the writer blocks until the test releases it: the update below lands while the write is in
     # flight by construction (an event, not a sleep that a loaded machine can outrun)
