@@ -200,7 +200,7 @@ class StragglerSection:
     action: str = (
         "warn"  # warn: record the event; rebalance: also move sequences off the rank (docs/stragglers.md)
     )
-    threshold: float = 1.5  # a rank is slow at a step when its compute per sequence exceeds this x the others' median
+    threshold: float = 1.5  # a rank is slow at a step when its compute exceeds this x what the others predict for its share
     window: int = 10  # steps judged: a rank is flagged when slow in min_slow_steps of the last window steps
     min_slow_steps: int = 6  # of the last window steps; a flagged rank recovers when fast in as many
 
