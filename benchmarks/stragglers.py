@@ -1,16 +1,19 @@
-"""Straggler detection on the whole loop: the healthy noise of the ranks' figures, false flags,
-detection delay and steps/s under `straggler.action: warn`.
+"""Stragglers on the whole loop: the healthy noise of the ranks' figures, false flags, detection
+delay, and steps/s under each `straggler.action` against a healthy run.
 
 Three gloo ranks on the Ray-free session (`tests/local_run.py`), the `tiny` preset on the stdlib
-corpus (prepared into a scratch folder as the tests' `dataset`, or `--data`), `--steps` steps per
-run, three runs side by side: `healthy` (G=12: 4/4/4 sequences), `uneven` (G=8: 2/3/3) and `slow`
-(G=12, rank 1 at factor 2 from step 11: a `slow` fault). From each run's MLflow metrics
-(`train/compute_s_per_seq_rank<r>`) and events: the ratio of each rank's figure to the others'
-median (`straggler.slowness`; percentiles over the healthy runs' steps), the `straggler` events (a
-flag in a healthy run is a false flag), the delay from the fault's first step to the flag, and
-steps/s (1 / median `train/step_time_s` after step 21; rank 0's step waits for the slowest rank)
-against the healthy run, with the factor-2 bounds of an unmitigated straggler (1/F of healthy) and
-of a perfect rebalance ((W - 1 + 1/F) / W).
+corpus (prepared into a scratch folder as the tests' `dataset`, or `--data`), the runs one after
+the other (`RUNS`: one row each, a new action is one more row): `healthy` (G=12: 4/4/4 sequences,
+`--healthy-steps`), `uneven` (G=8: 2/3/3), and, with rank 1 at factor 2 from step 11 (a `slow`
+fault), `warn` and `rebalance` (`--steps` each). From each run's MLflow metrics
+(`train/compute_s_per_seq_rank<r>`) and events: each rank's slowness (`straggler.slowness`, at the
+run's shares; percentiles over the healthy runs' steps), the `straggler` events (a flag in a healthy
+run is a false flag), the delay from the fault's first step to the flag, and steps/s (1 / median
+`train/step_time_s` after step 31; rank 0's step waits for the slowest rank) against the healthy
+run, with the factor-2 bounds of an unmitigated straggler (1/F of healthy) and of a perfect
+rebalance ((W - 1 + 1/F) / W of healthy steps/s, i.e. a step W / (W - 1 + 1/F) x as long).
+`timer_cost`: the straggler measurement's own cost (`ComputeTimer`: a hook per parameter), the
+tiny model's forward/backward in this process with and without it.
 
 Prints JSON and writes benchmarks/results/stragglers.json.
 """
@@ -18,30 +21,43 @@ Prints JSON and writes benchmarks/results/stragglers.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import sysconfig
+import time
 
+import torch
 from mlflow.tracking import MlflowClient
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 from local_run import local_run  # noqa: E402  (the Ray-free session the tests use)
 from raytrain_ft.config import load_config  # noqa: E402
+from raytrain_ft.data.position import BatchPlan  # noqa: E402
 from raytrain_ft.data.prepare import PrepareSettings, prepare  # noqa: E402
-from raytrain_ft.resilience.straggler import slowness  # noqa: E402
+from raytrain_ft.model.llama import build_model, lm_loss  # noqa: E402
+from raytrain_ft.resilience.straggler import ComputeTimer, slowness  # noqa: E402
 from raytrain_ft.telemetry.tracking import MlflowRecorder  # noqa: E402
 from report import default_out, report, scratch  # noqa: E402
 
-W, F, SLOW_FROM = 3, 2.0, 11
+W, F, SLOW_FROM, STEADY_FROM = 3, 2.0, 11, 31
+SLOW = f"faults=[{{kind: slow, rank: 1, factor: {F}, step: {SLOW_FROM}, steps: 100000}}]"
+# name: (global_batch_size, slow rank, overrides)
+RUNS = {
+    "healthy": (12, False, ()),
+    "uneven": (8, False, ()),
+    "warn": (12, True, (SLOW,)),
+    "rebalance": (12, True, (SLOW, "straggler.action=rebalance")),
+}
 
 
 def metric(client: MlflowClient, run_id: str, key: str) -> dict[int, float]:
     return {m.step: m.value for m in client.get_metric_history(run_id, key)}
 
 
-def measure(root: str, data: str, name: str, steps: int, *overrides: str) -> dict:
+def measure(root: str, data: str, name: str, steps: int, g: int, *overrides: str) -> dict:
     uri = f"sqlite:///{root}/{name}.db"
     cfg = load_config(
         None,
@@ -56,18 +72,20 @@ def measure(root: str, data: str, name: str, steps: int, *overrides: str) -> dic
             f"train.max_steps={steps}",
             f"checkpoint.interval_steps={steps}",
             f"scaling.num_workers={W}",
+            f"train.global_batch_size={g}",
             *overrides,
         ],
     )
     run_id = local_run(cfg)
     client = MlflowClient(uri)
     figures = [metric(client, run_id, f"train/compute_s_per_seq_rank{r}") for r in range(W)]
-    ratios = [slowness([f[s] for f in figures]) for s in sorted(figures[0])]
+    shares = BatchPlan(g, 2, W).shares  # the healthy runs' (the slow runs' ratios are not pooled)
+    ratios = [slowness([f[s] for f in figures], shares) for s in sorted(figures[0])]
     step_time = metric(client, run_id, "train/step_time_s")
     flags = [e for e in MlflowRecorder(uri, run_id).events() if e["kind"] == "straggler"]
     return {
         "ratios": ratios,
-        "steps_per_s": 1 / statistics.median(step_time[s] for s in step_time if s > SLOW_FROM + 10),
+        "steps_per_s": 1 / statistics.median(step_time[s] for s in step_time if s >= STEADY_FROM),
         "flags": [{k: e[k] for k in ("step", "rank", "factor", "first_step")} for e in flags],
     }
 
@@ -76,9 +94,28 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
 
 
+def timer_cost(passes: int = 300) -> float:
+    """Seconds per forward/backward pass with `ComputeTimer` over without it (tiny model, one
+    thread, 2 sequences of 32 tokens; alternating, medians)."""
+    torch.set_num_threads(1)
+    timed, bare = build_model("tiny", 512, 32, 0.0), build_model("tiny", 512, 32, 0.0)
+    timer = ComputeTimer(timed, torch.device("cpu"))
+    tokens = torch.randint(0, 512, (2, 33))
+    out: dict[str, list[float]] = {"timed": [], "bare": []}
+    runs = [("timed", timed, timer), ("bare", bare, contextlib.nullcontext())]
+    for i in range(passes):
+        for name, model, around in runs if i % 2 else runs[::-1]:
+            t0 = time.perf_counter()
+            with around:
+                lm_loss(model, tokens).backward()
+            out[name].append(time.perf_counter() - t0)
+    return statistics.median(out["timed"]) / statistics.median(out["bare"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=100, help="steps of the uneven and slow runs")
+    parser.add_argument("--healthy-steps", type=int, default=500)
     parser.add_argument("--out", default=default_out("stragglers"))
     parser.add_argument("--data", default="", help="a dataset prepared as the tests' (default: prepare one; Ray Data)")
     args = parser.parse_args()
@@ -87,20 +124,19 @@ def main() -> None:
     if not args.data:
         settings = PrepareSettings(seq_len=32, vocab_size=512, rows_per_row_group=2, validation_fraction=0.0)
         prepare(os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py"), data, settings)
-    slow_fault = f"faults=[{{kind: slow, rank: 1, factor: {F}, step: {SLOW_FROM}, steps: {args.steps}}}]"
     runs = {
-        "healthy": measure(root, data, "healthy", args.steps, "train.global_batch_size=12"),
-        "uneven": measure(root, data, "uneven", args.steps, "train.global_batch_size=8"),
-        "slow": measure(root, data, "slow", args.steps, "train.global_batch_size=12", slow_fault),
+        name: measure(root, data, name, args.healthy_steps if name == "healthy" else args.steps, g, *overrides)
+        for name, (g, _, overrides) in RUNS.items()
     }
     healthy_ratios = [x for name in ("healthy", "uneven") for row in runs[name]["ratios"] for x in row]
     uneven_small = [row[0] for row in runs["uneven"]["ratios"]]  # rank 0 trains 2 of the 8 sequences
-    slow_ratio = [row[1] for s, row in enumerate(runs["slow"]["ratios"], 1) if s >= SLOW_FROM + 1]
-    flags = runs["slow"]["flags"]
-    result = {
+    slow_ratio = [row[1] for s, row in enumerate(runs["warn"]["ratios"], 1) if s >= SLOW_FROM + 1]
+    healthy_sps = runs["healthy"]["steps_per_s"]
+    result: dict = {
         "world_size": W,
         "factor": F,
         "steps": args.steps,
+        "healthy_steps": args.healthy_steps,
         "cpu_count": os.cpu_count(),
         "load_average_1min": os.getloadavg()[0],
         "healthy_ratio_p50": percentile(healthy_ratios, 50),
@@ -110,15 +146,22 @@ def main() -> None:
         "slow_rank_ratio_p50": percentile(slow_ratio, 50),
         "false_flags_healthy": len(runs["healthy"]["flags"]),
         "false_flags_uneven": len(runs["uneven"]["flags"]),
-        "slow_flags": flags,
-        "right_rank_flagged": [f["rank"] for f in flags] == [1],
-        "detection_delay_steps": flags[0]["step"] - SLOW_FROM if flags else None,
-        "steps_per_s_healthy": runs["healthy"]["steps_per_s"],
-        "steps_per_s_warn": runs["slow"]["steps_per_s"],
-        "warn_vs_healthy": runs["slow"]["steps_per_s"] / runs["healthy"]["steps_per_s"],
+        "steps_per_s_healthy": healthy_sps,
         "bound_unmitigated": 1 / F,
         "bound_rebalanced": (W - 1 + 1 / F) / W,
+        "timer_cost": timer_cost(),
     }
+    for name, (_, slow, _) in RUNS.items():
+        if slow:
+            flags = runs[name]["flags"]
+            result[name] = {
+                "flags": flags,
+                "right_rank_flagged": [f["rank"] for f in flags][:1] == [1],
+                "detection_delay_steps": flags[0]["step"] - SLOW_FROM if flags else None,
+                "steps_per_s": runs[name]["steps_per_s"],
+                "vs_healthy": runs[name]["steps_per_s"] / healthy_sps,
+                "vs_rebalance_bound": runs[name]["steps_per_s"] / healthy_sps / result["bound_rebalanced"],
+            }
     report(result, args.out)
 
 

@@ -46,7 +46,8 @@ GPU_TYPES = ("A100-40GB", "A100-80GB", "H100", "H200")  # the keys of raytrain_f
 RECOVERY_MODES = ("restart", "replica")  # raytrain_ft.resilience.replicas
 STRAGGLER_ACTIONS = (
     "warn",
-)  # raytrain_ft.resilience.straggler; rebalance and exclude are not built yet (docs/stragglers.md)
+    "rebalance",
+)  # raytrain_ft.resilience.straggler, raytrain_ft.resilience.rebalance; exclude is not built yet (docs/stragglers.md)
 MAX_SLOW_FACTOR = 100.0  # a `slow` fault slower than this is a hang: use kind hang
 
 
@@ -189,13 +190,17 @@ class ValidationSection:
 class StragglerSection:
     """Straggler detection (`raytrain_ft.resilience.straggler`, always on) and what to do about a flagged rank.
 
-    `action`: `warn` (the default and, for now, the only one: record a `straggler` event and keep
-    training; the run's math, split and bits stay exactly those of a run without the detector, and
-    a person decides). `rebalance` and `exclude` are refused until built (docs/stragglers.md).
+    `action`: `warn` (the default: record a `straggler` event and keep training; the run's math,
+    split and bits stay exactly those of a run without the detector, and a person decides);
+    `rebalance` (also move sequences off the flagged rank in proportion to its speed from the next
+    step, and back when it recovers: `raytrain_ft.resilience.rebalance`). `exclude` is refused until
+    built (docs/stragglers.md).
     """
 
-    action: str = "warn"  # warn: record the straggler event only (docs/stragglers.md)
-    threshold: float = 1.5  # a rank is slow at a step when its compute per sequence exceeds this x the others' median
+    action: str = (
+        "warn"  # warn: record the event; rebalance: also move sequences off the rank (docs/stragglers.md)
+    )
+    threshold: float = 1.5  # a rank is slow at a step when its compute exceeds this x what the others predict for its share
     window: int = 10  # steps judged: a rank is flagged when slow in min_slow_steps of the last window steps
     min_slow_steps: int = 6  # of the last window steps; a flagged rank recovers when fast in as many
 

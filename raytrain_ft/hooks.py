@@ -41,7 +41,8 @@ class StepResult:
     drop a dead replica; else 0); `devices`: the devices that trained the step, the split's world
     size (under replica recovery the step's participating replicas, one device each), what
     throughput per device and MFU divide by; `compute_s_per_seq`: every member's compute seconds per
-    sequence of the step, waits in collectives excluded, in the split's rank order (`raytrain_ft.resilience.straggler`).
+    sequence of the step, waits in collectives excluded, in the split's rank order (`raytrain_ft.resilience.straggler`);
+    `shares`: every member's sequences of the step, in the same order.
     """
 
     step: int
@@ -55,6 +56,7 @@ class StepResult:
     recovery_s: float = 0.0
     devices: int = 1
     compute_s_per_seq: tuple[float, ...] = ()
+    shares: tuple[int, ...] = ()
 
 
 class StepHook:

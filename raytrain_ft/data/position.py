@@ -46,14 +46,20 @@ from raytrain_ft.errors import ConfigError
 class BatchPlan:
     """How `global_batch_size` sequences split over `world_size` ranks (module doc).
 
+    `split`: every rank's share, set by `straggler.action: rebalance`
+    (`raytrain_ft.resilience.rebalance`); empty: the even rule of the module doc.
+
     Raises:
         ConfigError: `global_batch_size` is not a multiple of `micro_batch_size` (the data order's
             lanes), or is smaller than `world_size` (a rank would train nothing).
+        ValueError: a `split` that is not `world_size` shares of at least one sequence summing to
+            `global_batch_size`.
     """
 
     global_batch_size: int
     micro_batch_size: int
     world_size: int
+    split: tuple[int, ...] = ()
 
     def __post_init__(self):
         g, m, w = self.global_batch_size, self.micro_batch_size, self.world_size
@@ -67,11 +73,18 @@ class BatchPlan:
                 f"train.global_batch_size={g} is smaller than the world size {w}: every rank needs at least one "
                 f"sequence per step; raise global_batch_size to at least {w} or lower scaling.num_workers"
             )
+        if self.split and (len(self.split) != w or sum(self.split) != g or min(self.split) < 1):
+            raise ValueError(f"split {self.split} is not {w} shares of at least 1 summing to {g}")
+
+    @property
+    def shares(self) -> tuple[int, ...]:
+        """Every rank's sequences per step, in rank order."""
+        return tuple(self.share(r) for r in range(self.world_size))
 
     @property
     def max_share(self) -> int:
-        """Sequences of the largest rank share: ceil(G / W)."""
-        return -(-self.global_batch_size // self.world_size)
+        """Sequences of the largest rank share: ceil(G / W) (the even rule)."""
+        return max(self.split) if self.split else -(-self.global_batch_size // self.world_size)
 
     @property
     def grad_accum_steps(self) -> int:
@@ -85,11 +98,14 @@ class BatchPlan:
 
     def span(self, rank: int) -> tuple[int, int]:
         """`[lo, hi)`: the sequences (positions in the step's lane order) `rank` trains."""
+        if self.split:
+            lo = sum(self.split[:rank])
+            return lo, lo + self.split[rank]
         g, w = self.global_batch_size, self.world_size
         return rank * g // w, (rank + 1) * g // w
 
     def share(self, rank: int) -> int:
-        """Sequences `rank` trains per step: floor or ceil of G / W."""
+        """Sequences `rank` trains per step: floor or ceil of G / W (the even rule)."""
         lo, hi = self.span(rank)
         return hi - lo
 
@@ -135,10 +151,13 @@ def check_world_sizes(global_batch_size: int, micro_batch_size: int, world_sizes
 
 @dataclass
 class DataPosition:
-    """Stateful data position: epoch and samples consumed in it (rank-free, see module doc)."""
+    """Stateful data position: epoch and samples consumed in it (rank-free, see module doc), and
+    `split`, the rebalanced shares in force (`BatchPlan.split`; empty: the even rule), checkpointed
+    with it so a resume trains the same split."""
 
     epoch: int = 0
     consumed: int = 0
+    split: tuple[int, ...] = ()
 
     def advance(self, global_batch_size: int, steps_per_epoch: int) -> None:
         """Move past one global batch, rolling over to the next epoch at its last full step."""
@@ -147,7 +166,8 @@ class DataPosition:
             self.epoch, self.consumed = self.epoch + 1, 0
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "consumed": self.consumed}
+        return {"epoch": self.epoch, "consumed": self.consumed, "split": list(self.split)}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+        self.split = tuple(int(n) for n in state.get("split", ()))  # checkpoints before rebalance have none

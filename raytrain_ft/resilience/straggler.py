@@ -14,12 +14,25 @@ step waits for it in the gradient all-reduce. Three parts, each rank running all
   reduce-scatter per layer, so every rank's figure includes its waits for the slowest: ranks look
   alike and none is flagged (a limit, not a false flag). Wall clock on CPU; CUDA events on GPU
   (the host enqueues ahead of the device).
-* Each rank's figure per sequence (its compute over its share of the global batch, so an uneven
-  split is not a straggler) is summed into the step's agree all-reduce (`StepMembers.agree`: each
-  member fills its own slot), so every member holds every member's figure without a collective of
-  its own.
+* Each rank's figure per sequence (its compute over its share of the global batch) is summed into
+  the step's agree all-reduce (`StepMembers.agree`: each member fills its own slot), so every member
+  holds every member's figure without a collective of its own.
+* What is compared (`slowness`, `predicted_s`): each member's compute seconds of the step against
+  what the other members' figures predict for its share, under the cost model `a + b x share`
+  (a: the fixed cost of the step's passes, the same on every rank since every rank runs the same
+  passes, `BatchPlan.grad_accum_steps`; b: per sequence). Measured (the tiny model, seq_len 32, one
+  thread, forward + backward of one pass): 3.6-7.4 ms for 1 to 8 sequences, so nearly all of it is
+  per pass (a), and per sequence alone the 2-sequence rank of a 2/3/3 split measured 1.68x the
+  others (a false flag); at seq_len 128, 5.7 ms for 1 and 26 ms for 8 sequences (b dominates, as
+  on a large model). Neither per step nor per sequence is right for both, so: a member whose share
+  some others share is compared with their median (same passes, same sequences, no model); with
+  two or more distinct shares among the others a and b are fitted; a member alone in its share with
+  one other share among the rest gets the model's upper bound at its share (`predicted_s`), so
+  its ratio is never above its true slowness: an uneven split is never a straggler, and a slow
+  member with a lone share is seen at between 1 and share/theirs (or theirs/share) of its slowness,
+  the price of not knowing a and b.
 * `StragglerDetector` (pure, the same decision on every rank): a member is slow at a step when its
-  figure exceeds `threshold` x the median of the other members' figures; it is flagged when slow in
+  compute exceeds `threshold` x that prediction; it is flagged when slow in
   `min_slow_steps` (k) of the last `window` (n) steps, and recovered when fast in k of the last n.
 
 Defaults (`raytrain_ft.config.StragglerSection`: threshold 1.5, k = 6 of n = 10), from measured
@@ -87,14 +100,43 @@ class ComputeTimer:
             self.seconds = (self.ready if self.ready > self.started else time.perf_counter()) - self.started
 
 
-def slowness(per_sequence_s: Sequence[float]) -> list[float]:
-    """Each member's compute per sequence over the median of the other members' (1.0 alone or
-    when the others measured nothing)."""
+def predicted_s(others: Sequence[tuple[int, float]], share: int) -> float:
+    """Compute seconds the `others` (`(share, seconds)` of the other members of the step, every one
+    running the same passes) predict for a member of `share` sequences, under the cost model
+    `seconds = a + b x share` (a >= 0: the fixed cost of the step's passes, the same on every member;
+    b >= 0: per sequence); see the module doc. With two or more distinct shares among the others, a
+    and b are fitted (least squares through the median of each share); with one, the model is not
+    identifiable and the prediction is the model's upper bound at `share` (their median when shares
+    are equal; `median x max(1, share / theirs)` otherwise), so the ratio to it never exceeds the
+    true slowness. 0.0 when the others measured nothing."""
+    by_share: dict[int, list[float]] = {}
+    for n, t in others:
+        by_share.setdefault(n, []).append(t)
+    points = sorted((n, statistics.median(ts)) for n, ts in by_share.items())
+    if not points:
+        return 0.0
+    if len(points) == 1:
+        n0, t0 = points[0]
+        return t0 * max(1.0, share / n0)
+    mean_n = statistics.fmean(n for n, _ in points)
+    mean_t = statistics.fmean(t for _, t in points)
+    b = sum((n - mean_n) * (t - mean_t) for n, t in points) / sum((n - mean_n) ** 2 for n, _ in points)
+    b = min(max(b, 0.0), mean_t / mean_n)  # a, b >= 0
+    return mean_t - b * mean_n + b * share
+
+
+def slowness(per_sequence_s: Sequence[float], shares: Sequence[int] = ()) -> list[float]:
+    """Each member's compute seconds of the step over what the other members' figures predict for
+    its share (`predicted_s`); `per_sequence_s` and `shares` (sequences per member, default all
+    equal) in the split's rank order. 1.0 alone or when the others measured nothing."""
+    shares = list(shares) or [1] * len(per_sequence_s)
+    step_s = [t * n for t, n in zip(per_sequence_s, shares, strict=True)]
     out = []
-    for r, t in enumerate(per_sequence_s):
-        others = [x for i, x in enumerate(per_sequence_s) if i != r]
-        median = statistics.median(others) if others else 0.0
-        out.append(t / median if median > 0 else 1.0)
+    for r, t in enumerate(step_s):
+        predicted = predicted_s(
+            [(n, x) for i, (n, x) in enumerate(zip(shares, step_s, strict=True)) if i != r], shares[r]
+        )
+        out.append(t / predicted if predicted > 0 else 1.0)
     return out
 
 
@@ -123,14 +165,17 @@ class StragglerDetector:
         self.judged: deque[tuple[int, list[float]]] = deque(maxlen=window)  # (step, slowness per member)
         self.flagged: dict[int, Straggler] = {}
 
-    def observe(self, step: int, per_sequence_s: Sequence[float]) -> tuple[list[Straggler], list[Straggler]]:
+    def observe(
+        self, step: int, per_sequence_s: Sequence[float], shares: Sequence[int] = ()
+    ) -> tuple[list[Straggler], list[Straggler]]:
         """Judge one step's figures (seconds per sequence, one per member, in the split's rank
-        order); return (members flagged at this step, flagged members recovered at this step). A
-        change of the members' count starts the judgement afresh (ranks are renumbered)."""
+        order; `shares`: each member's sequences, `slowness`); return (members flagged at this
+        step, flagged members recovered at this step). A change of the members' count starts the
+        judgement afresh (ranks are renumbered)."""
         if self.judged and len(self.judged[-1][1]) != len(per_sequence_s):
             self.judged.clear()
             self.flagged.clear()
-        self.judged.append((step, slowness(per_sequence_s)))
+        self.judged.append((step, slowness(per_sequence_s, shares)))
         flagged, recovered = [], []
         for r in range(len(per_sequence_s)):
             slow = [(s, x[r]) for s, x in self.judged if x[r] > self.threshold]
@@ -162,7 +207,7 @@ class StragglerMonitor(StepHook):
         self.split_rank, self.run_rank, self.node = split_rank, run_rank, node
 
     def after_optimizer_step(self, result: StepResult) -> None:
-        flagged, recovered = self.detector.observe(result.step, result.compute_s_per_seq)
+        flagged, recovered = self.detector.observe(result.step, result.compute_s_per_seq, result.shares)
         for s in flagged:
             log.warning(
                 "step %d: rank %d is a straggler (x%.2f since step %d)", result.step, s.rank, s.factor, s.first_step

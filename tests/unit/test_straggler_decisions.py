@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from raytrain_ft.resilience.straggler import ComputeTimer, Straggler, StragglerDetector, slowness
+from raytrain_ft.resilience.straggler import ComputeTimer, Straggler, StragglerDetector, predicted_s, slowness
 
 
 def test_slowness_compares_each_rank_with_the_median_of_the_others():
@@ -32,13 +32,23 @@ def test_a_rank_is_flagged_only_when_slow_in_k_of_the_last_n_steps_and_recovers_
     assert detector.flagged == {}
 
 
-def test_a_rank_with_a_smaller_share_is_no_straggler_when_its_time_per_sequence_matches():
+def test_a_rank_with_a_smaller_share_is_judged_against_the_cost_the_others_predict_for_it():
+    # the measured false flag: 2/3/3 sequences in the same 2 passes, the step's cost a fixed cost
+    # per pass (tiny model): 0.112 / 0.1 / 0.1 s, i.e. 1.68x the others per sequence; not a straggler
+    per_seq = [0.112 / 2, 0.1 / 3, 0.1 / 3]
+    assert slowness(per_seq, [2, 3, 3]) == pytest.approx([1.12, 0.1 / 0.106, 0.1 / 0.106])  # b < 0 fitted: 0
+    assert slowness(per_seq)[0] == pytest.approx(1.68)  # per sequence alone: the false flag
+    # a lone smaller share: the bound is the others' step time, so a cost proportional to the share
+    # (a large model) is seen at share / theirs of the true slowness (2/3 here), never above it
+    assert slowness([0.2 / 2, 0.3 / 3, 0.3 / 3], [2, 3, 3])[0] == pytest.approx(2 / 3)
+    assert slowness([0.3 / 4, 0.2 / 2, 0.2 / 2], [4, 2, 2])[0] == pytest.approx(1.5 / 2)  # larger: per sequence
+    # two distinct shares among the others: a + b x share fitted (here a = 0.1, b = 0.05)
+    assert predicted_s([(2, 0.2), (4, 0.3), (4, 0.3)], 3) == pytest.approx(0.25)
+    assert predicted_s([(2, 0.2), (4, 0.3)], 6) == pytest.approx(0.4)
+    assert predicted_s([(2, 0.3), (4, 0.2)], 3) == pytest.approx(0.25)  # b < 0 clamped to 0: the mean
     detector = StragglerDetector(threshold=1.5, window=3, min_slow_steps=1)
-    # 3/3/2 sequences in 0.3/0.3/0.2 s: the figures are per sequence (`replicas.agreed_row`)
-    assert detector.observe(1, [0.3 / 3, 0.3 / 3, 0.2 / 2]) == ([], [])
-    assert detector.observe(2, [0.3 / 3, 0.3 / 3, 0.4 / 2])[0] == [
-        Straggler(2, pytest.approx(2.0), 2)
-    ]  # twice as long each
+    assert detector.observe(1, per_seq, [2, 3, 3]) == ([], [])
+    assert detector.observe(2, [0.224 / 2, 0.1 / 3, 0.1 / 3], [2, 3, 3])[0] == [Straggler(0, pytest.approx(2.24), 2)]
 
 
 def test_a_change_of_the_members_starts_the_judgement_afresh():

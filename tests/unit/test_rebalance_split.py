@@ -1,0 +1,79 @@
+"""`straggler.action: rebalance` as pure decisions: the split in proportion to speed, the plan that
+trains it, the split in the checkpointed data position, and when it changes (no Ray, no process group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raytrain_ft.data.position import BatchPlan, DataPosition
+from raytrain_ft.hooks import StepResult
+from raytrain_ft.resilience.rebalance import Rebalance, proportional_split, rebalanced
+from raytrain_ft.resilience.replicas import Share
+from raytrain_ft.resilience.straggler import StragglerDetector
+
+
+def test_the_split_follows_the_measured_speed_and_keeps_every_sequence():
+    assert proportional_split(12, [1.0, 0.5, 1.0]) == (5, 2, 5)  # 2.4 / 4.8 / 4.8 perfect
+    assert proportional_split(12, [1.0, 1.0, 1.0]) == ()  # nobody flagged: the even rule
+    assert proportional_split(7, [1.0, 0.01, 1.0, 1.0]) == (2, 1, 2, 2)  # at least one sequence each
+    with pytest.raises(ValueError):
+        proportional_split(2, [1.0, 0.5, 1.0])
+
+
+def test_a_rebalanced_plan_trains_the_same_global_batch_once_with_the_same_weights():
+    even, split = BatchPlan(12, 2, 3), BatchPlan(12, 2, 3, (5, 2, 5))
+    assert split.shares == (5, 2, 5) and split.max_share == 5 and split.grad_accum_steps == 3
+    assert [split.span(r) for r in range(3)] == [(0, 5), (5, 7), (7, 12)]
+    lanes = [
+        {"tokens": torch.arange(2 * i, 2 * i + 2)[:, None], "sample_id": torch.arange(2 * i, 2 * i + 2)}
+        for i in range(6)
+    ]
+    ids = []
+    for r in range(3):
+        passes = split.passes(r, [lanes[i] for i in split.lanes(r)])
+        assert len(passes) == split.grad_accum_steps  # the same passes on every rank: DDP's collectives match
+        ids += torch.cat([p["sample_id"] for p in passes]).tolist()
+    assert ids == list(range(12))  # every sequence of the step once, in lane order
+    # the loop's pass weights sum to W over the ranks: the mean loss over the G sequences either way
+    assert sum(split.pass_weight(n) for n in split.shares) == sum(even.pass_weight(n) for n in even.shares) == 3
+    with pytest.raises(ValueError):
+        BatchPlan(12, 2, 3, (6, 0, 6))
+    assert rebalanced(Share(even, 1), (5, 2, 5)) == Share(split, 1)
+    assert rebalanced(Share(even, 1), (6, 6)) == Share(even, 1)  # another world size: the even rule
+
+
+def test_the_split_in_force_is_checkpointed_with_the_data_position():
+    position = DataPosition(1, 24, (5, 2, 5))
+    restored = DataPosition()
+    restored.load_state_dict(position.state_dict())
+    assert restored == position
+    restored.load_state_dict({"epoch": 0, "consumed": 12})  # a checkpoint from before rebalance
+    assert restored == DataPosition(0, 12, ())
+
+
+def test_the_split_moves_at_a_flag_moves_back_at_recovery_and_survives_a_resume():
+    detector, position = StragglerDetector(threshold=1.5, window=3, min_slow_steps=2), DataPosition()
+    rebalance = Rebalance(detector, position, 12, enabled=True)
+
+    def step(s: int, rank1_s: float, shares: tuple[int, ...]) -> tuple[int, ...]:
+        figures = [1.0 / shares[0], rank1_s / shares[1], 1.0 / shares[2]]
+        rebalance.before_step(s)
+        detector.observe(s, figures, shares)
+        rebalance.after_optimizer_step(StepResult(s, 0.0, 0.0, False, None, 0.0, compute_s_per_seq=tuple(figures)))
+        return position.split
+
+    assert step(1, 2.0, (4, 4, 4)) == ()
+    assert step(2, 2.0, (4, 4, 4)) == (5, 2, 5)  # flagged at 2 (slow in 2 of 3): the next step trains 5/2/5
+    assert step(3, 2.0, (5, 2, 5)) == (5, 2, 5)  # still flagged: the split stays
+    resumed_detector, resumed_position = StragglerDetector(1.5, 3, 2), DataPosition()
+    resumed_position.load_state_dict(position.state_dict())
+    resumed = Rebalance(resumed_detector, resumed_position, 12, enabled=True)
+    resumed.before_step(4)
+    assert set(resumed_detector.flagged) == {1} and resumed_position.split == (5, 2, 5)
+    assert step(4, 0.4, (5, 2, 5)) == (5, 2, 5)  # fast once (0.4 s for 2 sequences): not yet recovered
+    assert step(5, 0.4, (5, 2, 5)) == ()  # fast in 2 of 3: recovered, back to the even rule
+    off = Rebalance(StragglerDetector(1.5, 3, 1), DataPosition(), 12, enabled=False)
+    off.detector.observe(1, [1.0, 3.0, 1.0])
+    off.after_optimizer_step(StepResult(1, 0.0, 0.0, False, None, 0.0, compute_s_per_seq=(1.0, 3.0, 1.0)))
+    assert off.position.split == ()  # warn: the split never moves
