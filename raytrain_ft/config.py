@@ -46,7 +46,8 @@ GPU_TYPES = ("A100-40GB", "A100-80GB", "H100", "H200")  # the keys of raytrain_f
 RECOVERY_MODES = ("restart", "replica")  # raytrain_ft.resilience.replicas
 STRAGGLER_ACTIONS = (
     "warn",
-)  # raytrain_ft.resilience.straggler; rebalance and exclude are not built yet (docs/stragglers.md)
+    "exclude",
+)  # raytrain_ft.resilience.straggler (docs/stragglers.md)
 MAX_SLOW_FACTOR = 100.0  # a `slow` fault slower than this is a hang: use kind hang
 
 
@@ -189,15 +190,18 @@ class ValidationSection:
 class StragglerSection:
     """Straggler detection (`raytrain_ft.resilience.straggler`, always on) and what to do about a flagged rank.
 
-    `action`: `warn` (the default and, for now, the only one: record a `straggler` event and keep
-    training; the run's math, split and bits stay exactly those of a run without the detector, and
-    a person decides). `rebalance` and `exclude` are refused until built (docs/stragglers.md).
+    `action`: `warn` (the default: record a `straggler` event and keep training; the run's math,
+    split and bits stay exactly those of a run without the detector, and a person decides), or
+    `exclude` (a rank still flagged `exclude_after_steps` steps after its flag leaves at that step
+    boundary: restart recovery restarts without its node, replica recovery replaces its replica;
+    `raytrain_ft.resilience.straggler.Exclusion`, docs/stragglers.md).
     """
 
     action: str = "warn"  # warn: record the straggler event only (docs/stragglers.md)
     threshold: float = 1.5  # a rank is slow at a step when its compute per sequence exceeds this x the others' median
     window: int = 10  # steps judged: a rank is flagged when slow in min_slow_steps of the last window steps
     min_slow_steps: int = 6  # of the last window steps; a flagged rank recovers when fast in as many
+    exclude_after_steps: int = 10  # action exclude: a flagged rank not recovered this many steps after its flag leaves
 
 
 @dataclass
@@ -396,6 +400,8 @@ def _validate(cfg: Config) -> None:
             f"config keys 'straggler.threshold' ({st.threshold:g}), 'straggler.min_slow_steps' ({st.min_slow_steps}) "
             f"and 'straggler.window' ({st.window}) need threshold > 1 and 1 <= min_slow_steps <= window"
         )
+    if st.exclude_after_steps < 0:
+        raise ConfigError(f"config key 'straggler.exclude_after_steps' must be >= 0, got {st.exclude_after_steps}")
     if cfg.checkpoint.interval not in INTERVAL_MODES:
         raise ConfigError(
             f"config key 'checkpoint.interval' is {cfg.checkpoint.interval!r}; valid: {', '.join(INTERVAL_MODES)}"
