@@ -197,7 +197,7 @@ class StragglerSection:
     `raytrain_ft.resilience.straggler.Exclusion`, docs/stragglers.md).
     """
 
-    action: str = "warn"  # warn: record the straggler event only (docs/stragglers.md)
+    action: str = "warn"  # warn: record the straggler event only; exclude: see exclude_after_steps (docs/stragglers.md)
     threshold: float = 1.5  # a rank is slow at a step when its compute per sequence exceeds this x the others' median
     window: int = 10  # steps judged: a rank is flagged when slow in min_slow_steps of the last window steps
     min_slow_steps: int = 6  # of the last window steps; a flagged rank recovers when fast in as many

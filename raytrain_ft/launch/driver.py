@@ -283,7 +283,7 @@ def _fit(cfg: Config, uri: str) -> str:
             try:
                 _torch_trainer(cfg, recorder_actor, watchdog, run_id, root, left, baseline, excluded).fit()
                 new = [r for r in read_exclusions(root, since=started) if r["node"] not in excluded]
-                if not new:
+                if not new or cfg.failure.recovery == "replica":  # replicas: Ray Train replaced them
                     break
                 excluded += sorted({r["node"] for r in new})
                 log.warning(
