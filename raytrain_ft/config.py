@@ -47,7 +47,8 @@ RECOVERY_MODES = ("restart", "replica")  # raytrain_ft.resilience.replicas
 STRAGGLER_ACTIONS = (
     "warn",
     "rebalance",
-)  # raytrain_ft.resilience.straggler, raytrain_ft.resilience.rebalance; exclude is not built yet (docs/stragglers.md)
+    "exclude",
+)  # raytrain_ft.resilience.straggler, raytrain_ft.resilience.rebalance (docs/stragglers.md)
 MAX_SLOW_FACTOR = 100.0  # a `slow` fault slower than this is a hang: use kind hang
 
 
@@ -193,16 +194,21 @@ class StragglerSection:
     `action`: `warn` (the default: record a `straggler` event and keep training; the run's math,
     split and bits stay exactly those of a run without the detector, and a person decides);
     `rebalance` (also move sequences off the flagged rank in proportion to its speed from the next
-    step, and back when it recovers: `raytrain_ft.resilience.rebalance`). `exclude` is refused until
-    built (docs/stragglers.md).
+    step, and back when it recovers: `raytrain_ft.resilience.rebalance`); `exclude` (a rank still
+    flagged `exclude_after_steps` steps after its flag leaves at that step boundary: restart
+    recovery restarts without its node, replica recovery replaces its replica;
+    `raytrain_ft.resilience.straggler.Exclusion`, docs/stragglers.md).
     """
 
     action: str = (
-        "warn"  # warn: record the event; rebalance: also move sequences off the rank (docs/stragglers.md)
+        "warn"  # warn: record the event; rebalance: also move sequences off the rank; exclude: see exclude_after_steps
     )
-    threshold: float = 1.5  # a rank is slow at a step when its compute exceeds this x what the others predict for its share
+    threshold: float = (
+        1.5  # a rank is slow at a step when its compute exceeds this x what the others predict for its share
+    )
     window: int = 10  # steps judged: a rank is flagged when slow in min_slow_steps of the last window steps
     min_slow_steps: int = 6  # of the last window steps; a flagged rank recovers when fast in as many
+    exclude_after_steps: int = 10  # action exclude: a flagged rank not recovered this many steps after its flag leaves
 
 
 @dataclass
@@ -401,6 +407,8 @@ def _validate(cfg: Config) -> None:
             f"config keys 'straggler.threshold' ({st.threshold:g}), 'straggler.min_slow_steps' ({st.min_slow_steps}) "
             f"and 'straggler.window' ({st.window}) need threshold > 1 and 1 <= min_slow_steps <= window"
         )
+    if st.exclude_after_steps < 0:
+        raise ConfigError(f"config key 'straggler.exclude_after_steps' must be >= 0, got {st.exclude_after_steps}")
     if cfg.checkpoint.interval not in INTERVAL_MODES:
         raise ConfigError(
             f"config key 'checkpoint.interval' is {cfg.checkpoint.interval!r}; valid: {', '.join(INTERVAL_MODES)}"

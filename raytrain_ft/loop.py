@@ -76,7 +76,7 @@ from raytrain_ft.resilience.preemption import Preemption, wait_out
 from raytrain_ft.resilience.rebalance import Rebalance, rebalanced
 from raytrain_ft.resilience.recovery import RunHistory
 from raytrain_ft.resilience.replicas import Share, first_share, role, step_members
-from raytrain_ft.resilience.straggler import ComputeTimer, StragglerDetector, StragglerMonitor
+from raytrain_ft.resilience.straggler import ComputeTimer, StragglerDetector, StragglerMonitor, exclusion
 from raytrain_ft.resilience.watchdog import StepBeat
 from raytrain_ft.run_folder import complete_steps, end_run, step_path
 from raytrain_ft.schedule import lr_schedule
@@ -131,11 +131,13 @@ def train(cfg: Config, session: Session) -> None:
     trainer = Trainer(cfg, session)
     trainer.begin()
     try:
-        while trainer.progress.step < cfg.train.max_steps:
+        while trainer.progress.step < cfg.train.max_steps and not trainer.ended:
             trainer.step()
     except StorageFullError as e:  # every rank, at the same save: end the run instead of restarting
         if trainer.rank == 0:
             end_run(session.run_root, str(e))
+        return
+    if trainer.ended:  # stragglers excluded: the driver restarts without their nodes
         return
     trainer.finish()
     trainer.members.finish(session.run_root)
@@ -204,7 +206,7 @@ class Trainer:
         self.beat = StepBeat(session.beat)  # every rank: the driver's watchdog stops a rank that stalls
         # auto: planned in `begin` from the run's failures
         self.schedule = CheckpointSchedule(cfg.checkpoint.interval_steps)
-        self.save_due = self.done = False
+        self.save_due = self.done = self.ended = False
         self.preemption = Preemption(session, session.rank)
         metrics = StepMetrics(
             cfg,
@@ -221,15 +223,17 @@ class Trainer:
         st = cfg.straggler
         detector = StragglerDetector(st.threshold, st.window, st.min_slow_steps)
         rebalance = Rebalance(detector, self.position, self.plan.global_batch_size, st.action == "rebalance")
-        stragglers = StragglerMonitor(
+        self.stragglers = StragglerMonitor(
             detector,
             st.action,
             session.recorder(attempt=False),
             lambda: self.members.rank,
             session.rank,
             session.node,
+            exclusion(cfg),
+            session.run_root,
         )
-        hooks = [self.faults, StepAccount(self.ledger), metrics, stragglers, rebalance, self.audit, self.beat]
+        hooks = [self.faults, StepAccount(self.ledger), metrics, self.stragglers, rebalance, self.audit, self.beat]
         self.hooks = StepHooks(hooks)
 
     def begin(self) -> None:
@@ -404,8 +408,8 @@ class Trainer:
         self.hooks.after_step(step)
 
     def maybe_save(self, step: int, leaving: int) -> None:
-        """Periodic, final and just-in-time (preemption: `leaving` members hold a drain notice)
-        saves; none while a skip streak is on."""
+        """Periodic, final and just-in-time (preemption: `leaving` members hold a drain notice;
+        straggler exclusion: `StragglerMonitor.excluded`) saves; none while a skip streak is on."""
         # auto: never start a save while the previous one is still writing (writes must not queue)
         self.save_due |= self.schedule.due(step) and not (self.schedule.auto and self.checkpointer.pending)
         final = step == self.cfg.train.max_steps
@@ -415,20 +419,30 @@ class Trainer:
                 self.faults.after_save_started(step)
             self.schedule.saved(step)  # after a failed replica check too: the next try is an interval later
             self.save_due = False
-        if leaving:
-            self.save_before_preemption(step, leaving)
+        excluded = self.stragglers.excluded()
+        if leaving or excluded:
+            self.save_before_leaving(step, leaving, excluded)
 
-    def save_before_preemption(self, step: int, leaving: int) -> None:
-        """`leaving` members' nodes are drained (`raytrain_ft.resilience.preemption`): the members that keep the
-        step durable save it (unless this step's periodic save is in flight) and wait until it is
-        registered; a doomed rank records the notice and, as a replica, leaves and waits for its node's end."""
-        saves = self.members.saves_before_leaving(leaving)
+    def save_before_leaving(self, step: int, leaving: int, excluded: list[int]) -> None:
+        """`leaving` members' nodes are drained (`raytrain_ft.resilience.preemption`), the members
+        of split ranks `excluded` are stragglers excluded (`raytrain_ft.resilience.straggler`): the
+        members that keep the step durable save it (unless this step's periodic save is in flight)
+        and wait until it is registered; a doomed rank records the notice and, as a replica, leaves
+        and waits for its node's end; an excluded one records its exclusion, and the members end
+        as `StepMembers.exclude` says (`self.ended`: restart recovery's whole attempt)."""
+        saves = self.members.saves_before_leaving(leaving + len(excluded))
         if saves and (self.checkpointer.pending is None or self.checkpointer.pending[0] != step):
             self.save(step)
             self.schedule.saved(step)
-        if saves or self.preemption.held:
+        mine = self.members.rank in excluded
+        if saves or self.preemption.held or mine:
             self.settle()
+        if mine:
+            self.stragglers.record_exclusion(step)
         notice = self.preemption.answer(step, saved=saves)
+        if excluded and self.members.exclude(excluded):
+            self.ended = True
+            return
         if notice and self.members.leave():
             # no beat while it waits: the deadline plus `PAST_DEADLINE_S` stays under the driver's
             # watchdog floor (`watchdog.MIN_STEP_TIMEOUT_S`) for the clouds' 30-120 s notices

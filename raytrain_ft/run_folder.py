@@ -16,6 +16,8 @@ there, and the helpers that read and write them. No other module spells a path i
                                       `start-<unix s>.txt` before the first step of a start)
     faults/<index>-<step>.fired       fault-injection markers: a fault fires once per run
     audit/<ns>-<first>-<last>.parquet the sample ids every rank trained (`raytrain_ft.data.audit`)
+    exclusions/<node>-step<N>.json    a straggler excluded after step N (`straggler.action: exclude`): the
+                                      driver restarts without its node (`launch.driver`)
 
 Paths are local paths or fsspec URLs (`s3://...`). Reading this module imports neither Ray, torch
 nor MLflow (`raytrain-ft check` and the driver read the run folder before any worker exists).
@@ -44,6 +46,7 @@ WORKERS_DIR = "workers"
 HANGS_DIR = "hangs"
 FAULTS_DIR = "faults"
 AUDIT_DIR = "audit"
+EXCLUSIONS_DIR = "exclusions"
 
 
 def run_root(storage_path: str, run_name: str) -> str:
@@ -239,3 +242,28 @@ def stacks_path(root: str, step: int | None, at: float) -> str:
 def fault_marker(root: str, index: int, step: int) -> str:
     """The marker of fault `index` fired at `step`: `faults/<index>-<step>.fired`."""
     return run_file(root, FAULTS_DIR, f"{index}-{step}.fired")
+
+
+# ---- straggler exclusions
+
+
+def _exclusion_file(root: str, node: str, step: int) -> str:
+    return run_file(root, EXCLUSIONS_DIR, f"{node}-step{step}.json")
+
+
+def record_exclusion(root: str, record: dict) -> None:
+    """Write `exclusions/<node>-step<N>.json`: `{"time" (unix s), "node" (Ray node id), "rank", "step"}`
+    of a straggler excluded after step N (`raytrain_ft.resilience.straggler.StragglerMonitor`; one
+    writer per file, the excluded worker)."""
+    with fsspec.open(_exclusion_file(root, record["node"], record["step"]), "w", auto_mkdir=True) as f:
+        json.dump(record, f)
+
+
+def read_exclusions(root: str, since: float) -> list[dict]:
+    """The exclusions recorded after unix time `since` (`record_exclusion`), oldest first."""
+    fs, base = fsspec.core.url_to_fs(run_file(root, EXCLUSIONS_DIR))
+    records = []
+    for path in fs.glob(f"{base}/*.json") if fs.exists(base) else []:
+        with fs.open(path, "r") as f:
+            records.append(json.load(f))
+    return sorted((r for r in records if r["time"] > since), key=lambda r: r["time"])

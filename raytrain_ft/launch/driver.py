@@ -28,7 +28,7 @@ from raytrain_ft.preflight import problems
 from raytrain_ft.resilience.recovery import GROUP_START, failures, root_first, who
 from raytrain_ft.resilience.replicas import LIGHTHOUSE
 from raytrain_ft.resilience.waits import HEALTH_CHECK_INTERVAL_S
-from raytrain_ft.run_folder import raise_if_ended, run_root
+from raytrain_ft.run_folder import raise_if_ended, read_exclusions, run_root
 from raytrain_ft.telemetry.tracking import MlflowRecorder, flatten, resolve_uri, start_or_resume_run
 
 log = logging.getLogger(__name__)
@@ -153,8 +153,12 @@ def _torch_trainer(
     run_root: str,
     max_failures: int,
     baseline: dict[str, float],
+    excluded: list[str],
 ) -> TorchTrainer:
+    """`excluded`: Ray node ids the worker group must not use (`without_nodes`)."""
     lo, hi = cfg.worker_range
+    resources = {"CPU": cfg.scaling.cpus_per_worker, **({"GPU": 1} if cfg.scaling.use_gpu else {})}
+    num_workers, label_selector = without_nodes(lo, hi, resources, excluded, ray.nodes())
     replicas = hi if cfg.failure.recovery == "replica" else 0  # FailureRecorder: a partial failure is a replacement
     callbacks: list[Any] = [  # Ray Train v2's callback classes; mypy reads v1's `Callback`
         CommitAcknowledger(run_root),
@@ -173,9 +177,10 @@ def _torch_trainer(
         },
         # mypy reads ray.train's Ray Train v1 names; v2 (the default, which this needs) exports its own
         scaling_config=ScalingConfig(  # type: ignore[call-arg]
-            num_workers=lo if lo == hi else (lo, hi),  # type: ignore[arg-type]
+            num_workers=num_workers,  # type: ignore[arg-type]
             use_gpu=cfg.scaling.use_gpu,
-            resources_per_worker={"CPU": cfg.scaling.cpus_per_worker, **({"GPU": 1} if cfg.scaling.use_gpu else {})},
+            resources_per_worker=resources,
+            label_selector=label_selector,
             elastic_resize_monitor_interval_s=cfg.scaling.resize_check_interval_s,
         ),
         torch_config=torch_config(cfg, run_root),
@@ -189,6 +194,28 @@ def _torch_trainer(
             callbacks=callbacks,
         ),
     )
+
+
+def without_nodes(
+    lo: int, hi: int, per_worker: dict[str, float], excluded: list[str], nodes: list[dict]
+) -> tuple[int | tuple[int, int], dict[str, str] | None]:
+    """`ScalingConfig`'s `num_workers` and `label_selector` for a worker group kept off the
+    `excluded` node ids (stragglers, `straggler.action: exclude`), from `ray.nodes()`' records
+    (`NodeID`, `Alive`, `Resources`): every node carries Ray's label `ray.io/node-id`, and the
+    selector `!in(...)` of the excluded ones keeps the group's placement group off them. Ray Train's
+    elastic policy counts every alive node's resources (it reads no label), so the range's maximum
+    loses the workers the excluded alive nodes hold (`per_worker`: one worker's resources), never
+    below the minimum: if the other nodes cannot hold the minimum the group start waits for a node,
+    bounded by `failure.group_start_timeout_s` and the restarts left."""
+    if not excluded:
+        return (lo if lo == hi else (lo, hi)), None
+    held = 0
+    for node in nodes:
+        if node["NodeID"] in excluded and node["Alive"]:
+            have = node["Resources"]
+            held += int(min(have.get(k, 0.0) // v for k, v in per_worker.items() if v > 0))
+    hi = max(hi - held, lo)
+    return (lo if lo == hi else (lo, hi)), {"ray.io/node-id": f"!in({','.join(excluded)})"}
 
 
 def torch_config(cfg: Config, run_root: str) -> TorchConfig:
@@ -231,7 +258,11 @@ def _fit(cfg: Config, uri: str) -> str:
     (`failed_during_group_start`) is recorded as a failure like any other and, while restarts are
     left, `fit()` runs again with the same run name: Ray Train resumes from its committed
     checkpoint, the MLflow run and the recorder actor stay, and the new `fit()` may use only the
-    restarts left (`restarts_left`)."""
+    restarts left (`restarts_left`). A `fit()` that returned because stragglers were excluded
+    (`straggler.action: exclude` under restart recovery: the workers saved the step, waited for its
+    registration and returned; `run_folder.read_exclusions`) runs again the same way, its worker group
+    kept off every node excluded in this submission (`without_nodes`); an exclusion is no failure
+    and uses no restart. A resubmission lets the nodes in again (docs/stragglers.md)."""
     root = run_root(cfg.run.storage_path, cfg.run.name)
     run_id = start_or_resume_run(uri, cfg.tracking.experiment, root, cfg.run.name, flatten(to_dict(cfg)))
     # rank 0's MLflow client, across every restart
@@ -247,10 +278,17 @@ def _fit(cfg: Config, uri: str) -> str:
     previous = signal.signal(signal.SIGTERM, sigterm) if main else None
     try:
         left = cfg.failure.max_failures
+        excluded: list[str] = []  # stragglers' nodes, kept out for the rest of this submission
         while True:
             try:
-                _torch_trainer(cfg, recorder_actor, watchdog, run_id, root, left, baseline).fit()
-                break
+                _torch_trainer(cfg, recorder_actor, watchdog, run_id, root, left, baseline, excluded).fit()
+                new = [r for r in read_exclusions(root, since=started) if r["node"] not in excluded]
+                if not new or cfg.failure.recovery == "replica":  # replicas: Ray Train replaced them
+                    break
+                excluded += sorted({r["node"] for r in new})
+                log.warning(
+                    "stragglers excluded after step %d (nodes %s); resuming without them", new[-1]["step"], excluded
+                )
             except Exception as e:
                 if sigterm.signalled or not failed_during_group_start(e) or find_user_error(e):
                     raise

@@ -90,6 +90,7 @@ from raytrain_ft.config import Config
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.model.parallel import Parallel
 from raytrain_ft.resilience.guards import SkipDisagreementError
+from raytrain_ft.resilience.straggler import StragglerExcluded
 from raytrain_ft.resilience.waits import LIGHTHOUSE_JOIN_S
 from raytrain_ft.run_folder import replica_final_file
 from raytrain_ft.telemetry.recorder import Recorder
@@ -207,6 +208,12 @@ class WholeGroup:
     def leave(self) -> bool:
         """False: a doomed rank trains on with the group until Ray Train restarts it."""
         return False
+
+    def exclude(self, ranks: list[int]) -> bool:
+        """`ranks` are stragglers excluded after this step (`straggler.Exclusion`, which leaves at
+        least the range's minimum): True, every rank ends the attempt once the step is saved and
+        registered (the driver restarts the group without their nodes, `launch.driver`)."""
+        return True
 
     def accepted(self) -> bool:
         """True: the whole group trains every step (a failed rank fails the attempt)."""
@@ -371,6 +378,20 @@ class Replicas:
         it). True: the caller then waits for its node's end (`preemption.wait_out`)."""
         self.manager.shutdown(wait=False)
         return True
+
+    def exclude(self, ranks: list[int]) -> bool:
+        """`ranks` are stragglers excluded after this step (`straggler.Exclusion`): an excluded
+        replica leaves the quorum at this step boundary, as a doomed one does, and ends (Ray Train
+        replaces it, in its placement-group bundle: on the same node while that node lives,
+        docs/stragglers.md); the others train on. False for those.
+
+        Raises:
+            StragglerExcluded: this replica is excluded.
+        """
+        if self.rank not in ranks:
+            return False
+        self.leave()
+        raise StragglerExcluded(f"replica {self.replica_index} excluded as a straggler; Ray Train replaces it")
 
     def accepted(self) -> bool:
         """Whether the step counts (`Manager.should_commit`); False: train it again (a

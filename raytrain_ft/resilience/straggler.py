@@ -45,6 +45,11 @@ row); the factor-2 rank's median ratio was 1.7 and it was flagged 8 steps after 
 slow in most of the window, so bursts of three are not flagged. Healthy-run percentiles, false
 flags and detection delay of longer runs: `benchmarks/stragglers.py` (docs/benchmarks.md). On GPUs
 (compute of tens of milliseconds per step, no oversubscription) the noise is far smaller.
+
+`Exclusion` (`straggler.action: exclude`, pure, the same decision on every member): a member still
+flagged `exclude_after_steps` steps after its flag leaves at that step boundary, unless the members
+would fall below their minimum. What leaving means per recovery mode is the step members'
+(`replicas.WholeGroup.exclude`, `replicas.Replicas.exclude`) and the driver's (docs/stragglers.md).
 """
 
 from __future__ import annotations
@@ -58,7 +63,9 @@ from dataclasses import dataclass
 
 import torch
 
+from raytrain_ft.config import Config
 from raytrain_ft.hooks import StepHook, StepResult
+from raytrain_ft.run_folder import record_exclusion
 from raytrain_ft.telemetry.recorder import Recorder
 
 log = logging.getLogger(__name__)
@@ -187,12 +194,67 @@ class StragglerDetector:
         return flagged, recovered
 
 
+class StragglerExcluded(RuntimeError):
+    """This replica was excluded as a straggler (`Replicas.exclude`): it ends so that Ray Train replaces it."""
+
+
+class Exclusion:
+    """`straggler.action: exclude`: which flagged members leave at a step (pure; module doc).
+
+    `judge(step, members, flagged, recovered)` after each step's `StragglerDetector.observe`
+    (`flagged`, `recovered`: its output; `members`: the step's member count) returns the members to
+    exclude after that step: those flagged at a step <= step - `after_steps` and not recovered since,
+    in rank order, at most `members - min_members` of them (the others stay flagged and are judged
+    again at the next step). A change of the members' count starts afresh, as the detector does.
+
+    Raises:
+        ValueError: after_steps < 0 or min_members < 1.
+    """
+
+    def __init__(self, after_steps: int, min_members: int):
+        if after_steps < 0 or min_members < 1:
+            raise ValueError(f"need after_steps ({after_steps}) >= 0 and min_members ({min_members}) >= 1")
+        self.after_steps, self.min_members = after_steps, min_members
+        self.members = 0
+        self.flagged_at: dict[int, tuple[int, Straggler]] = {}  # rank -> (step it was flagged, its flag)
+
+    def judge(
+        self, step: int, members: int, flagged: Sequence[Straggler], recovered: Sequence[Straggler]
+    ) -> list[Straggler]:
+        if members != self.members:
+            self.members = members
+            self.flagged_at.clear()
+        for s in flagged:
+            self.flagged_at[s.rank] = (step, s)
+        for s in recovered:
+            self.flagged_at.pop(s.rank, None)
+        due = [s for r, (at, s) in sorted(self.flagged_at.items()) if step - at >= self.after_steps]
+        return due[: max(members - self.min_members, 0)]
+
+
+def exclusion(cfg: Config) -> Exclusion | None:
+    """The `Exclusion` of `straggler.action: exclude` (None for another action): at least the
+    range's minimum of `scaling.num_workers` stays under restart recovery (the next group must fit
+    it), one replica under replica recovery."""
+    if cfg.straggler.action != "exclude":
+        return None
+    least = 1 if cfg.failure.recovery == "replica" else cfg.worker_range[0]
+    return Exclusion(cfg.straggler.exclude_after_steps, least)
+
+
 class StragglerMonitor(StepHook):
     """The step hook (`raytrain_ft.hooks`) that judges each committed step's figures
     (`StepResult.compute_s_per_seq`; `step_metrics` logs them). A flagged member records a
     `straggler` event itself (`own_recorder`: its run rank, node, factor, first step, the action
     taken) and a recovered one `straggler_recovered`; every rank logs a warning. `split_rank()`:
-    this worker's rank in the step's split; `run_rank`: its rank in the run (`Session.rank`)."""
+    this worker's rank in the step's split; `run_rank`: its rank in the run (`Session.rank`).
+
+    With an `exclusion` (`straggler.action: exclude`) the flag's action is `warn` (a warning is
+    all it takes then), `excluded()` lists the members `Exclusion.judge` excludes after the last
+    step, and `record_exclusion(step)` records this worker's own exclusion: a second `straggler`
+    event with `action: exclude` (`step`: the step after which it leaves, `flagged_step`, and its
+    node, rank, factor, first step) and the run folder's record the driver restarts without
+    (`run_folder.record_exclusion`, in `run_root`)."""
 
     def __init__(
         self,
@@ -202,12 +264,38 @@ class StragglerMonitor(StepHook):
         split_rank: Callable[[], int],
         run_rank: int,
         node: str,
+        exclusion: Exclusion | None = None,
+        run_root: str = "",
     ):
         self.detector, self.action, self.own = detector, action, own_recorder
         self.split_rank, self.run_rank, self.node = split_rank, run_rank, node
+        self.exclusion, self.run_root = exclusion, run_root
+        self.due: list[Straggler] = []
+
+    def excluded(self) -> list[int]:
+        """The split ranks of the members excluded after the last step ([] without an exclusion)."""
+        return [s.rank for s in self.due]
+
+    def record_exclusion(self, step: int) -> None:
+        """This worker's `straggler` event with `action: exclude` and its run-folder record (class doc)."""
+        assert self.exclusion is not None
+        flagged_step, s = self.exclusion.flagged_at[self.split_rank()]
+        record = {"time": time.time(), "node": self.node, "rank": self.run_rank, "step": step}
+        log.warning("step %d: rank %d (node %s) excluded as a straggler", step, self.run_rank, self.node)
+        self.own.event(
+            "straggler",
+            **record,
+            factor=round(s.factor, 3),
+            first_step=s.first_step,
+            flagged_step=flagged_step,
+            action="exclude",
+        )
+        record_exclusion(self.run_root, record)
 
     def after_optimizer_step(self, result: StepResult) -> None:
         flagged, recovered = self.detector.observe(result.step, result.compute_s_per_seq, result.shares)
+        if self.exclusion is not None:
+            self.due = self.exclusion.judge(result.step, len(result.compute_s_per_seq), flagged, recovered)
         for s in flagged:
             log.warning(
                 "step %d: rank %d is a straggler (x%.2f since step %d)", result.step, s.rank, s.factor, s.first_step
@@ -224,7 +312,7 @@ class StragglerMonitor(StepHook):
                     node=self.node,
                     factor=round(s.factor, 3),
                     first_step=s.first_step,
-                    action=self.action,
+                    action="warn" if self.exclusion is not None else self.action,
                 )
         for s in recovered:
             if s.rank == me:
