@@ -10,10 +10,11 @@ over its `grad_accum_steps` passes -> gradient reduction across replicas -> clip
 checkpoint snapshot -> optimizer step or skip -> LR scheduler -> advance the data
 position -> held-out validation at its interval (`validation`) -> rank check and replica fingerprint
 at their intervals, across the step's members -> roll back after persistent spikes, else save (after a
-drain notice the members agreed on in the step: `raytrain_ft.resilience.preemption`). Who trains a step, the
-split, the gradient reduction across replicas, the agreed skip and whether the step counts are the
-step members' (`replicas`: the whole group under restart recovery, a torchft quorum of replicas under replica
-recovery); the loop calls them the same way in both modes.
+drain notice the members agreed on in the step: `raytrain_ft.resilience.preemption`; after a straggler's
+exclusion, `raytrain_ft.resilience.straggler.Exclusion`, before the members end as `StepMembers.exclude`
+says). Who trains a step, the split, the gradient reduction across replicas, the agreed skip and
+whether the step counts are the step members' (`replicas`: the whole group under restart recovery, a
+torchft quorum of replicas under replica recovery); the loop calls them the same way in both modes.
 
 What the loop records goes to a `Recorder` (`raytrain_ft.telemetry.recorder`: rank 0's records, the other
 ranks' is a `NullRecorder`; under replica recovery each step's participant of rank 0 records it,
