@@ -14,6 +14,7 @@ import json
 import os
 import pickle
 import shutil
+import socket
 import sysconfig
 import tempfile
 import threading
@@ -63,10 +64,28 @@ def scenario_outcome(stdout: str) -> dict:
 
 @pytest.fixture(scope="session")
 def ray_local():
-    """One local Ray instance for the in-process training tests (3 logical CPUs on 2 cores)."""
+    """One local Ray instance for the in-process training tests (3 logical CPUs on 2 cores).
+
+    Its dashboard address is a port nothing serves, and its processes ask only that address for the
+    state API (`RAY_API_SERVER_ADDRESS`). Ray Train 2.60's placement-group cleaner asks the state API
+    every second whether the controller is alive, and removes the running worker group's placement
+    group (every worker dies: a counted failure) when the answer is "no such actor". A cluster
+    without a dashboard still advertises 127.0.0.1:8265, and a worker without `RAY_ADDRESS` finds
+    "the" cluster by looking around the host: another cluster's dashboard there (`ray start --head`,
+    a `ray.cluster_utils.Cluster` of a concurrent run) answered for this one and ended a healthy
+    attempt of test_watchdog.py."""
     os.environ.update(RAY_NODE_ENV)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**WORKER_ENV, "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}
     ray.init(
-        address="local", num_cpus=3, include_dashboard=False, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=False
+        address="local",
+        num_cpus=3,
+        include_dashboard=False,
+        dashboard_port=port,
+        runtime_env={"env_vars": env},
+        log_to_driver=False,
     )
     yield
     ray.shutdown()

@@ -11,6 +11,7 @@ from ray.exceptions import RayActorError
 from ray.train import ControllerError, UserCallback, WorkerGroupError
 
 from raytrain_ft.launch.group_start import baseline_resources, short, start_timeout_s
+from raytrain_ft.launch.progress_watchdog import stopped_causes
 from raytrain_ft.launch.ray_internals import (
     ControllerCallback,
     ErroredState,
@@ -211,10 +212,4 @@ class FailureRecorder(ControllerCallback):
     def stopped_by_watchdog(self) -> dict[int, str]:
         """{rank: cause} of the ranks the progress watchdog stopped (`launch.progress_watchdog`): their
         cause is the stall, not the SIGKILL that ended them."""
-        if self.watchdog is None:
-            return {}
-        try:
-            return ray.get(self.watchdog.causes.remote(), timeout=TRACKING_TIMEOUT_S)
-        except ray.exceptions.RayError as e:
-            log.warning("the progress watchdog did not answer: %s", e)
-            return {}
+        return {} if self.watchdog is None else stopped_causes(self.watchdog)

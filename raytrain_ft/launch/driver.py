@@ -25,7 +25,7 @@ from raytrain_ft.launch.start_faults import StartFaultConfig, StartFaults
 from raytrain_ft.launch.tracking_server import lasting_path, tracking_store
 from raytrain_ft.launch.worker import train_func
 from raytrain_ft.preflight import problems
-from raytrain_ft.resilience.recovery import GROUP_START, failures, root_first, who
+from raytrain_ft.resilience.recovery import GROUP_START, cause_text, failures, root_first, who
 from raytrain_ft.resilience.replicas import LIGHTHOUSE
 from raytrain_ft.resilience.waits import HEALTH_CHECK_INTERVAL_S
 from raytrain_ft.run_folder import raise_if_ended, read_exclusions, run_root
@@ -293,7 +293,8 @@ def _fit(cfg: Config, uri: str) -> str:
                 if sigterm.signalled or not failed_during_group_start(e) or find_user_error(e):
                     raise
                 # through the actor: in the run history the next attempt plans with
-                _record_group_start_failure(RemoteRecorder(recorder_actor, wait=True), e)
+                stopped = progress_watchdog.stopped_causes(watchdog)  # a frozen rank the watchdog stopped
+                _record_group_start_failure(RemoteRecorder(recorder_actor, wait=True), e, stopped)
                 ray.get(recorder_actor.drain.remote(cfg.waits.tracking_timeout_s))  # the event is read back next
                 left = restarts_left(recorder, started, cfg.failure.max_failures)
                 if left < 0:
@@ -324,17 +325,19 @@ def _fit(cfg: Config, uri: str) -> str:
     return run_id
 
 
-def _record_group_start_failure(recorder: RemoteRecorder, e: BaseException) -> None:
+def _record_group_start_failure(recorder: RemoteRecorder, e: BaseException, stopped: dict[int, str]) -> None:
     """A `failure` event for a worker lost while the group started, as `FailureRecorder` records the
     others (it records only worker-group failures: a controller error is not one). `source: group_start`.
-    Which rank died is not known here."""
+    Which rank died is known only when the progress watchdog stopped it (`stopped`: {rank: cause},
+    a rank frozen in Ray Train's setup, past `failure.start_timeout_s`): then its cause is the stall."""
     latest = recorder.latest_metrics()
-    cause = f"a worker died while the worker group started ({plain_cause(getattr(e, 'controller_failure', e))})"
-    recorder.tags({"last_failure_cause": cause})
+    died = f"a worker died while the worker group started ({plain_cause(getattr(e, 'controller_failure', e))})"
+    causes = {str(r): f"while the worker group started: {c}" for r, c in sorted(stopped.items())} or {GROUP_START: died}
+    recorder.tags({"last_failure_cause": cause_text(causes) if stopped else died})
     recorder.event(
         "failure",
         source=GROUP_START,
-        causes={GROUP_START: cause},
+        causes=causes,
         details={GROUP_START: str(e)[:20000]},
         last_step=int(latest.get("last_step", 0)),
         step_time_s=latest.get("current_step_time_s", 0.0),

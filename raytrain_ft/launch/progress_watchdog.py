@@ -215,6 +215,16 @@ def start_watchdog(
     )
 
 
+def stopped_causes(watchdog: ray.actor.ActorHandle) -> dict[int, str]:
+    """{rank: cause} of the ranks the watchdog stopped since the last call (`ProgressWatchdog.causes`);
+    {} when it does not answer within `RECORD_TIMEOUT_S` (the failure is recorded without them)."""
+    try:
+        return ray.get(watchdog.causes.remote(), timeout=RECORD_TIMEOUT_S)
+    except ray.exceptions.RayError as e:
+        log.warning("the progress watchdog did not answer: %s", e)
+        return {}
+
+
 def close(watchdog: ray.actor.ActorHandle) -> None:
     """End the watchdog (never raises: it runs on the driver's way out)."""
     with contextlib.suppress(ray.exceptions.RayError, ValueError):
