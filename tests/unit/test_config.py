@@ -43,7 +43,7 @@ def test_invalid_values(bad):
 
 
 def test_unknown_fault_kind():
-    with pytest.raises(ConfigError, match="valid kinds: raise, kill, kill_during_save"):
+    with pytest.raises(ConfigError, match="valid kinds: raise, kill, nan"):
         load_config(None, ["faults=[{kind: boom, step: 3}]"])
 
 
