@@ -23,7 +23,6 @@ from raytrain_ft.errors import ConfigError
 FAULT_KINDS = (
     "raise",
     "kill",
-    "kill_during_save",
     "nan",
     "spike",
     "bitflip",
@@ -38,6 +37,7 @@ FAULT_KINDS = (
     "freeze",
 )
 FREEZE_MOMENTS = ("start", "reduce", "save")  # raytrain_ft.resilience.faults: where a `freeze` fault stops its rank
+FAILURE_MOMENTS = ("save",)  # where a `raise` / `kill` fault fires instead of before the step
 ALERT_POLICIES = ("warn", "restart")
 INTERVAL_MODES = ("fixed", "auto")
 STRATEGIES = ("auto", "ddp", "fsdp", "hsdp")
@@ -213,7 +213,7 @@ class StragglerSection:
 
 @dataclass
 class FaultSpec:
-    kind: str = MISSING  # one of FAULT_KINDS (raise, kill, kill_during_save, ..., kill_in_setup, ...), see faults.py
+    kind: str = MISSING  # one of FAULT_KINDS (raise, kill, nan, ..., kill_in_setup, ...), see faults.py
     step: int = MISSING  # the (first) step at which the fault fires; kill_in_setup/...: the start resuming from >= step
     rank: int = 0  # the rank that fails; -1 = every rank
     steps: int = 1  # spike / nan / slow / slow_save / slow_restore: for this many consecutive steps
@@ -222,7 +222,7 @@ class FaultSpec:
         0.0  # hang, hold_reduce: sleep once; slow: every step; slow_save / slow_restore: the writer / reader sleeps
     )
     at: str = (
-        "reduce"  # freeze: SIGSTOP at the restore of checkpoint `step` (start), before its reduction, or in its save
+        ""  # freeze: start, reduce (default) or save; raise / kill: save (default: before the step); see faults.py
     )
 
 
@@ -369,8 +369,10 @@ def _validate(cfg: Config) -> None:
     for i, f in enumerate(cfg.faults):
         if f.kind not in FAULT_KINDS:
             raise ConfigError(f"config key 'faults[{i}].kind' is {f.kind!r}; valid kinds: {', '.join(FAULT_KINDS)}")
-        if f.kind == "freeze" and f.at not in FREEZE_MOMENTS:
-            raise ConfigError(f"config key 'faults[{i}].at' is {f.at!r}; valid: {', '.join(FREEZE_MOMENTS)}")
+        moments = {"freeze": FREEZE_MOMENTS, "raise": FAILURE_MOMENTS, "kill": FAILURE_MOMENTS}.get(f.kind, ())
+        if f.at and f.at not in moments:
+            valid = f"valid for {f.kind}: {', '.join(moments)}" if moments else f"{f.kind} takes no 'at'"
+            raise ConfigError(f"config key 'faults[{i}].at' is {f.at!r}; {valid}")
         if f.kind == "slow" and not f.seconds > 0 and not 1 < f.factor <= MAX_SLOW_FACTOR:
             raise ConfigError(
                 f"config key 'faults[{i}].factor' is {f.factor:g} for a slow fault; give 1 < factor <= "

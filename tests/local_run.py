@@ -24,7 +24,7 @@ from raytrain_ft.config import Config, from_dict, to_dict
 from raytrain_ft.local_session import LocalSession
 from raytrain_ft.loop import train
 from raytrain_ft.run_folder import run_root
-from raytrain_ft.telemetry.tracking import MlflowRecorder, flatten, start_or_resume_run
+from raytrain_ft.telemetry.tracking import MlflowRecorder, finish_run, flatten, start_or_resume_run
 
 # Ranks fork from one server process that imported these once (`multiprocessing` "forkserver"):
 # a spawned rank would import torch, transformers and MLflow again, ~5 s of CPU per rank and attempt.
@@ -52,7 +52,12 @@ def _rank(rank: int, config: dict, run_id: str, world_size: int, store: str) -> 
 
 def local_run(cfg: Config, world_size: int | None = None) -> str:
     """Run `cfg` to the end without Ray at `world_size` ranks (default: the config's); return the
-    MLflow run id. Raises `LocalRunFailed` once `failure.max_failures` restarts are used up."""
+    MLflow run id. The run ends FINISHED or FAILED as a driver's does (`tracking.finish_run`).
+
+    Raises:
+        LocalRunFailed: once `failure.max_failures` restarts are used up.
+        StorageFullError: a worker ended the run (a full disk), as from `raytrain_ft.launch.driver.run`.
+    """
     root = run_root(cfg.run.storage_path, cfg.run.name)
     os.makedirs(root, exist_ok=True)
     uri = cfg.tracking.uri
@@ -66,7 +71,7 @@ def local_run(cfg: Config, world_size: int | None = None) -> str:
         except ProcessException as e:  # a rank raised or died: the others were terminated
             errors.append(str(e).strip().splitlines()[-1] if str(e).strip() else repr(e))
             continue
-        MlflowRecorder(uri, run_id).finish("FINISHED")
+        finish_run(MlflowRecorder(uri, run_id), root, failed=False)  # the driver's owner of the end status
         return run_id
-    MlflowRecorder(uri, run_id).finish("FAILED")
+    finish_run(MlflowRecorder(uri, run_id), root, failed=True)
     raise LocalRunFailed(f"run {cfg.run.name} failed {len(errors)} times: {errors}")

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import glob
 import os
-import subprocess
-import sys
 import sysconfig
 
 import pytest
@@ -43,19 +41,19 @@ def test_every_shipped_config_passes_check(path, tmp_path, dataset, corpus_2048,
     assert capsys.readouterr().out.startswith(f"ok: {path}: world sizes")
 
 
-def check_lines(*argv: str) -> tuple[int, list[str]]:
-    """`raytrain-ft check` as a user runs it: exit status and its stderr lines."""
-    r = subprocess.run(
-        [sys.executable, "-m", "raytrain_ft.cli", "check", *argv], capture_output=True, text=True, timeout=120
-    )
-    return r.returncode, r.stderr.strip().splitlines()
+def check_lines(capsys, *argv: str) -> tuple[int, list[str]]:
+    """`raytrain-ft check` as the console script runs it (`cli.main`, in this process: a new
+    interpreter importing torch cost ~5 s a call): exit status and its stderr lines."""
+    rc = main(["check", *argv])
+    return rc, capsys.readouterr().err.strip().splitlines()
 
 
-def test_check_fails_in_one_line_per_problem(tmp_path, dataset):
+def test_check_fails_in_one_line_per_problem(tmp_path, dataset, capsys):
     tiny = os.path.join(REPO, "configs", "tiny.yaml")
     blocked = tmp_path / "file"
     blocked.write_text("")  # a file where the storage folder should be: not writable as a folder
     rc, lines = check_lines(
+        capsys,
         "--config",
         tiny,
         f"data.path={dataset}",
@@ -78,17 +76,15 @@ def test_check_fails_in_one_line_per_problem(tmp_path, dataset):
     assert len(lines) == 4 and not any("Traceback" in line for line in lines)
 
 
-def test_check_ignores_the_job_submission_address(tmp_path, dataset):
+def test_check_ignores_the_job_submission_address(tmp_path, dataset, capsys, monkeypatch):
     """`export RAY_ADDRESS=http://127.0.0.1:8265` (the docs' cluster workflow) is the dashboard's
     address for `ray job`, not one `ray.init` can join: check runs without the resources check."""
     tiny = os.path.join(REPO, "configs", "tiny.yaml")
     local = [f"data.path={dataset}", f"run.storage_path={tmp_path}/runs", f"tracking.uri=sqlite:///{tmp_path}/m.db"]
-    r = subprocess.run(
-        [sys.executable, "-m", "raytrain_ft.cli", "check", "--config", tiny, *local],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "RAY_ADDRESS": "http://127.0.0.1:8265"},
+    monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")
+    assert main(["check", "--config", tiny, *local]) == 0, capsys.readouterr().err
+    assert (
+        capsys.readouterr()
+        .out.strip()
+        .endswith("cluster resources not checked (no Ray cluster address: --address or RAY_ADDRESS)")
     )
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip().endswith("cluster resources not checked (no Ray cluster address: --address or RAY_ADDRESS)")

@@ -26,7 +26,7 @@ from local_run import LocalRunFailed, local_run
 from raytrain_ft.checkpoint.integrity import verify_checkpoint
 from raytrain_ft.errors import CheckpointError
 from raytrain_ft.launch.driver import run
-from raytrain_ft.run_folder import committed_steps, step_path
+from raytrain_ft.run_folder import committed_steps, read_run_id, step_path
 
 
 def test_an_uninterrupted_run_completes_and_loss_falls(reference):
@@ -46,6 +46,8 @@ def test_a_flipped_bit_in_the_committed_checkpoint_falls_back_to_the_previous_on
     cfg = make_config(tmp_path, dataset, "train.max_steps=30", "failure.max_failures=0", faults)
     with pytest.raises(LocalRunFailed, match="InjectedFault"):
         local_run(cfg)
+    # its status from the driver's owner (`tracking.finish_run`), not set by the local runner
+    assert MlflowClient(cfg.tracking.uri).get_run(read_run_id(run_root(cfg))).info.status == "FAILED"
     latest = step_path(run_root(cfg), committed_steps(run_root(cfg))[-1])  # a local run prunes nothing: 5-20 stay
     assert latest.endswith("step-20")
     flip_bit(latest, "model.model.embed_tokens.weight")
@@ -60,6 +62,23 @@ def test_a_flipped_bit_in_the_committed_checkpoint_falls_back_to_the_previous_on
     # steps 16-20 ran twice (kept values from the first submission, equal re-run values not logged
     # again); only 21-22 were lost
     assert_kept_timeline(cfg, run_id, reference[0], reference[1], discarded=[21, 22], rerun_kept=(16, 17, 18, 19, 20))
+
+
+def test_a_failure_while_a_save_is_written_resumes_from_the_previous_commit_and_deletes_the_cut_save(
+    tmp_path, dataset, reference
+):
+    # rank 0 raises 0.5 s into its (slowed) write of step 20, the save neither finished nor committed
+    # (a `raise` fault at `save` does not settle first): 15, committed before 20's write started, is
+    # where the restart resumes; the cut save is deleted, never loaded (on the Ray-free session)
+    cfg = make_config(tmp_path, dataset, "train.max_steps=30", "faults=[{kind: raise, at: save, step: 20, rank: 0}]")
+    run_id = local_run(cfg)
+    assert_resumed(cfg.tracking.uri, run_id, [0, 15])
+    [deleted] = events(cfg.tracking.uri, run_id, "uncommitted_checkpoints_deleted")
+    assert deleted["steps"] == [20]
+    # the step-20 there now is the re-trained one, and the run ends on the reference's bits
+    assert_same_state(final_state(cfg, 20), final_state(reference[0], 20))
+    assert_same_state(final_state(cfg, 30), reference[2])
+    assert MlflowClient(cfg.tracking.uri).get_run(run_id).info.status == "FINISHED"
 
 
 @pytest.mark.usefixtures("ray_local")

@@ -50,13 +50,24 @@ def test_fsdp_run_resumes_bitwise_after_a_kill_and_skips_a_one_rank_nan_everywhe
     assert tags["parallel.strategy"] == "fsdp" and tags["replica_fingerprint"].startswith("not applicable")
 
 
-def test_checkpoints_load_across_ddp_and_fsdp_with_every_tensor_equal(tmp_path, reference, fsdp_ref):
-    """DDP step-30 loaded under FSDP, FSDP step-30 loaded under DDP, at 2 ranks (torch only)."""
-    cases = {"ddp_to_fsdp": (reference[0], "fsdp"), "fsdp_to_ddp": (fsdp_ref[0], "ddp")}
+def test_checkpoints_load_across_ddp_and_fsdp_and_reshard_to_another_world_size_with_every_tensor_equal(
+    tmp_path, reference, fsdp_ref
+):
+    """Step-30 of the 2-rank runs loaded at 3 ranks, as a resume at another world size loads it (torch
+    only): DDP's under FSDP, FSDP's under DDP, and FSDP's 2 shards resharded into FSDP's 3 (dim 0 of
+    every weight and AdamW moment, split unevenly: the tiny model's dims are not multiples of 3).
+    The full weights and optimizer state gathered after the load equal the saved ones, tensor for
+    tensor (`torch.equal`)."""
+    cases = {
+        "ddp_to_fsdp": (reference[0], "fsdp"),
+        "fsdp_to_ddp": (fsdp_ref[0], "ddp"),
+        "fsdp_resharded": (fsdp_ref[0], "fsdp"),
+    }
     args = [f"{name}={run_root(cfg)}/step-30={strategy}" for name, (cfg, strategy) in cases.items()]
     out = tmp_path / "loaded"
+    script = os.path.join(REPO, "tests", "scenarios", "sharded_state.py")
     r = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tests", "scenarios", "sharded_state.py"), str(out), *args],
+        [sys.executable, script, str(out), "--world-size", "3", *args],
         capture_output=True,
         text=True,
         timeout=600,
@@ -67,7 +78,7 @@ def test_checkpoints_load_across_ddp_and_fsdp_with_every_tensor_equal(tmp_path, 
     for name, (cfg, _) in cases.items():
         loaded = torch.load(out / f"{name}.pt")
         assert_same_state(loaded, final_state(cfg, 30))
-    assert json.loads((out / "result.json").read_text())["world_size"] == 2
+    assert json.loads((out / "result.json").read_text())["world_size"] == 3
 
 
 # HSDP on 4 workers: 2 replicas x 2 shards; every guard at a short interval, `on_alert: restart`

@@ -118,7 +118,7 @@ def prune(root: str, committed_step: int, keep: int) -> list[int]:
 
 class _SlowWriter(ChecksummedWriter):
     """Writer that sleeps `delay_s` seconds before writing, after the folder exists (fault injection:
-    `kill_during_save`, `slow_save`)."""
+    a fault at `save`, `slow_save`)."""
 
     def __init__(self, path: str, delay_s: float):
         super().__init__(path)

@@ -29,7 +29,7 @@ from raytrain_ft.resilience.recovery import GROUP_START, cause_text, failures, r
 from raytrain_ft.resilience.replicas import LIGHTHOUSE
 from raytrain_ft.resilience.waits import HEALTH_CHECK_INTERVAL_S
 from raytrain_ft.run_folder import raise_if_ended, read_exclusions, run_root
-from raytrain_ft.telemetry.tracking import MlflowRecorder, flatten, resolve_uri, start_or_resume_run
+from raytrain_ft.telemetry.tracking import MlflowRecorder, finish_run, flatten, resolve_uri, start_or_resume_run
 
 log = logging.getLogger(__name__)
 
@@ -308,7 +308,7 @@ def _fit(cfg: Config, uri: str) -> str:
             raise Terminated("stopped by SIGTERM") from None
         if not isinstance(e, Exception):
             raise
-        recorder.finish("FAILED")  # Ray wraps worker errors (TrainingFailedError / ControllerError)
+        finish_run(recorder, root, failed=True)  # Ray wraps worker errors (TrainingFailedError / ControllerError)
         user = find_user_error(e)
         raise user or RunFailed(failure_line(cfg, recorder, started, describe(e))) from None
     finally:
@@ -316,12 +316,7 @@ def _fit(cfg: Config, uri: str) -> str:
             signal.signal(signal.SIGTERM, previous)
     progress_watchdog.close(watchdog)
     close(recorder_actor)
-    try:
-        raise_if_ended(root)  # a worker ended the run with an error no restart cures (a full disk)
-    except UserError:
-        recorder.finish("FAILED")
-        raise
-    recorder.finish("FINISHED")
+    finish_run(recorder, root, failed=False)  # raises the error a worker ended the run with (a full disk)
     return run_id
 
 

@@ -1,8 +1,9 @@
 """Fault injection for tests and demos: `faults: [{kind, step, rank}]` in the config.
 
-Kinds: `raise` (an exception in the training loop), `kill` (SIGKILL of the worker process),
-`kill_during_save` (the rank's checkpoint writer is slowed and the process is SIGKILLed while its
-async write is in flight; `step` must be a checkpoint step), `nan` (the rank's loss becomes NaN),
+Kinds: `raise` (an exception in the training loop), `kill` (SIGKILL of the worker process); both
+fire before the step by default, or with `at: save` while the rank's async write of the checkpoint
+of `step` is in flight (`step` must be a checkpoint step; the rank's writer is slowed, and the
+fault fires 0.5 s into its write, the save neither finished nor committed), `nan` (the rank's loss becomes NaN),
 `spike` (the rank's loss, and so its gradients, is multiplied by `factor`), `bitflip` (one bit of
 one parameter flips on the rank after the optimizer step), `hang` (the rank sleeps `seconds` inside
 the step), `slow` (a straggler: from `step` on, for `steps` steps, the rank's own compute takes
@@ -22,7 +23,7 @@ process, as a device or a host that stops answering freezes it; its moment is `a
 the rank starts restoring the checkpoint of `step`, its peers inside the restore's collectives;
 `reduce`, right before the gradient reduction across replicas of `step` (`before_reduce`; under DDP
 after the backward's all-reduce), its peers inside the step's next collective; `save`,
-while its write of the checkpoint of `step` is in flight, slowed as for `kill_during_save`, its
+while its write of the checkpoint of `step` is in flight, slowed as for `kill` at `save`, its
 peers in the next step's all-reduce; the driver's progress watchdog, `raytrain_ft.resilience.watchdog`, is what
 ends it). Three kinds kill the rank at a moment of a
 worker-group start instead of at a step: `kill_in_setup` (right after Ray Train set up the process group,
@@ -37,17 +38,18 @@ index, `Session.rank`). Each fault fires once per run: the firing rank writes
 rollback) passes it; `slow`, `slow_save` and `slow_restore` are properties of the machine and fire on
 every pass.
 
-The injector is a step hook (`raytrain_ft.hooks`): `raise`/`kill` fire in `before_step`, `bitflip`
-and `hang` in `after_optimizer_step`; `freeze` in `restore_delay_s`, `before_reduce` or
-`after_save_started` (its `at`). `loss_factor`, `slow_down`, `before_reduce`, `save_delay_s`,
+The injector is a step hook (`raytrain_ft.hooks`): `raise`/`kill` fire in `before_step` (at `save`:
+in `after_save_started`), `bitflip` and `hang` in `after_optimizer_step`; `freeze` in `restore_delay_s`,
+`before_reduce` or `after_save_started` (its `at`). `loss_factor`, `slow_down`, `before_reduce`, `save_delay_s`,
 `after_save_started` and `restore_delay_s` change the step's (or the restore's) own values and are
 called where they act.
 
-Before a `raise`/`kill` fault, before a `hang` sleeps and before a `freeze` at `reduce` or `save`, every
-rank calls `settle()`: the loop finishes its in-flight save and waits until Ray registered the
-commit (the controller callback acknowledges it), so the step a test expects the run to resume
-from does not depend on timing. Real failures get no such courtesy, and resume is correct from any
-older committed checkpoint (see the bitwise-resume tests).
+Before a `raise`/`kill` fault (not one at `save`: it strikes the save itself), before a `hang`
+sleeps and before a `freeze` at `reduce` or `save`, every rank calls `settle()`: the loop finishes
+its in-flight save and waits until Ray registered the commit (the controller callback acknowledges
+it), so the step a test expects the run to resume from does not depend on timing. Real failures get
+no such courtesy, and resume is correct from any older committed checkpoint (see the bitwise-resume
+tests).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ from raytrain_ft.config import FaultSpec
 from raytrain_ft.hooks import StepHook, StepResult
 from raytrain_ft.run_folder import fault_marker
 
-KILL_DURING_SAVE_DELAY_S = 3.0  # the kill comes 0.5 s after the save started: well inside the write
+SAVE_FAULT_DELAY_S = 3.0  # a fault at `save` comes 0.5 s after the save started: well inside the write
 
 
 START_KINDS = ("kill_in_setup", "kill_at_launch", "kill_at_first_step")
@@ -124,7 +126,11 @@ class FaultInjector(StepHook):
         ]
 
     def _freezes(self, step: int, at: str) -> list[tuple[int, FaultSpec]]:
-        return [(i, f) for i, f in self._pending(step, ("freeze",)) if f.at == at]
+        return [(i, f) for i, f in self._pending(step, ("freeze",)) if (f.at or "reduce") == at]
+
+    def _failures(self, step: int, at: str) -> list[tuple[int, FaultSpec]]:
+        """`raise` / `kill` faults due at `step` at moment `at` ("": before the step, or "save")."""
+        return [(i, f) for i, f in self._pending(step, ("raise", "kill")) if f.at == at]
 
     def _freeze(self, index: int, step: int) -> None:
         self._mark(index, step)
@@ -144,7 +150,7 @@ class FaultInjector(StepHook):
     def before_step(self, step: int) -> None:
         """Fire `raise` / `kill` faults due at `step`, and `kill_at_first_step` faults due at this attempt's
         first step (`step`: the attempt resumed from `step - 1`) (called on every rank)."""
-        due = self._pending(step, ("raise", "kill"))
+        due = self._failures(step, "")
         if self.first_step:
             due += start_faults_due(self.faults, "kill_at_first_step", step - 1, self.run_root)
             self.first_step = False
@@ -160,13 +166,13 @@ class FaultInjector(StepHook):
 
     def save_delay_s(self, step: int) -> float:
         """Seconds this rank's writer waits before writing the save of `step`: long enough for a
-        `kill_during_save` to strike first, or a `slow_save` fault's `seconds`."""
+        fault at `save` to strike first, or a `slow_save` fault's `seconds`."""
         delay = self._slow_storage_s("slow_save", step)
         if self._freezes(step, "save"):
             self.settle()  # the step the frozen run resumes from must not depend on the last save's timing
-        held = self._pending(step, ("kill_during_save",)) + self._freezes(step, "save")
+        held = self._failures(step, "save") + self._freezes(step, "save")
         if any(self._mine(f) for _, f in held):
-            delay = max(delay, KILL_DURING_SAVE_DELAY_S)
+            delay = max(delay, SAVE_FAULT_DELAY_S)
         return delay
 
     def restore_delay_s(self, step: int) -> float:
@@ -209,15 +215,16 @@ class FaultInjector(StepHook):
         time.sleep(sleep_s)
 
     def after_save_started(self, step: int) -> None:
-        """SIGKILL (`kill_during_save`) or SIGSTOP (`freeze` at `save`) this rank while its (slowed)
+        """Raise, SIGKILL or SIGSTOP this rank (`raise`, `kill`, `freeze` at `save`) while its (slowed)
         write of `step` is in flight."""
-        for i, f in self._pending(step, ("kill_during_save",)) + self._freezes(step, "save"):
+        for i, f in self._failures(step, "save") + self._freezes(step, "save"):
             if self._mine(f):
+                time.sleep(0.5)  # the writer thread is now inside its slowed write
                 if f.kind == "freeze":
-                    time.sleep(0.5)  # the writer thread is now inside its slowed write
                     self._freeze(i, step)
                 self._mark(i, step)
-                time.sleep(0.5)
+                if f.kind == "raise":
+                    raise InjectedFault(f"injected fault at step {step} on rank {self.rank}, its save in flight")
                 os.kill(os.getpid(), signal.SIGKILL)
 
     def loss_factor(self, step: int) -> float:

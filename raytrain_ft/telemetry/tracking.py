@@ -30,7 +30,7 @@ from mlflow.tracking import MlflowClient
 from raytrain_ft.errors import UserError
 from raytrain_ft.resilience import recovery
 from raytrain_ft.resilience.recovery import RunHistory
-from raytrain_ft.run_folder import RUN_ID_FILE, read_run_id, run_file, write_run_id
+from raytrain_ft.run_folder import RUN_ID_FILE, raise_if_ended, read_run_id, run_file, write_run_id
 from raytrain_ft.telemetry.recorder import Recorder
 from raytrain_ft.telemetry.timeline import DISCARDED, KEPT, StepTimeline
 
@@ -88,6 +88,28 @@ def start_or_resume_run(uri: str, experiment: str, run_root: str, run_name: str,
     client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
     write_run_id(run_root, run_id)
     return run_id
+
+
+def finish_run(recorder: MlflowRecorder, run_root: str, failed: bool) -> None:
+    """End `recorder`'s MLflow run after its launcher's last attempt: FAILED when that attempt failed
+    (`failed`) or a worker ended the run with an error no restart cures (`run_folder.end_run`: a full
+    disk), FINISHED otherwise. The one owner of a run's end status, for the Ray driver
+    (`launch.driver`) and the Ray-free runner (`tests/local_run.py`) alike; a run stopped by SIGTERM
+    is the driver's own (KILLED).
+
+    Raises:
+        StorageFullError: the error a worker ended the run with (`run_folder.raise_if_ended`), once
+            the run is FAILED.
+    """
+    if failed:
+        recorder.finish("FAILED")
+        return
+    try:
+        raise_if_ended(run_root)
+    except UserError:
+        recorder.finish("FAILED")
+        raise
+    recorder.finish("FINISHED")
 
 
 def _artifact_root(uri: str) -> str | None:

@@ -1,13 +1,15 @@
-"""Two gloo ranks (torch only, no Ray) load checkpoints under another strategy and measure real state sizes.
+"""Gloo ranks (torch only, no Ray) load checkpoints under another strategy or world size and measure
+real state sizes.
 
-Run by tests/test_sharding.py in a subprocess. Usage:
+Run by tests/test_sharding.py and tests/test_memory.py in a subprocess. Usage:
 
-    python sharded_state.py OUT NAME=CHECKPOINT=STRATEGY ... [--bytes PRESET=VOCAB=SEQ_LEN ...]
+    python sharded_state.py OUT [--world-size N] NAME=CHECKPOINT=STRATEGY ... [--bytes PRESET=VOCAB=SEQ_LEN ...]
 
-OUT/result.json always gets {"world_size": 2, ...}.
+OUT/result.json always gets {"world_size": N, ...} (N: 2 unless given).
 
-* `NAME=CHECKPOINT=STRATEGY`: build the tiny model under STRATEGY at 2 ranks (`raytrain_ft.model.parallel`),
-  load the model and AdamW state of CHECKPOINT into it (DCP, as `Checkpointer.restore` does), gather
+* `NAME=CHECKPOINT=STRATEGY`: build the tiny model under STRATEGY at N ranks (`raytrain_ft.model.parallel`),
+  load the model and AdamW state of CHECKPOINT into it (DCP, as `Checkpointer.restore` does: the
+  optimizer state allocated from the checkpoint's metadata first, `TrainState.allocate`), gather
   the full tensors and write them (rank 0) to OUT/NAME.pt, keyed like `conftest.final_state`.
 * `--bytes PRESET=VOCAB=SEQ_LEN`: for ddp and fsdp, one forward/backward (each rank its own
   tokens, the same under both strategies), `Parallel.clip_grad_norm_`, one AdamW step, then every
@@ -31,12 +33,11 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-from raytrain_ft.checkpoint.train_state import KEY_MODEL, KEY_OPTIM, ModelState, OptimizerState
+from raytrain_ft.checkpoint.train_state import KEY_MODEL, KEY_OPTIM, ModelState, OptimizerState, TrainState
 from raytrain_ft.config import load_config
 from raytrain_ft.model.llama import lm_loss
 from raytrain_ft.model.parallel import build, local
 
-WORLD_SIZE = 2
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
@@ -45,9 +46,11 @@ def load_full(out: str, name: str, checkpoint: str, strategy: str) -> None:
     meta = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
     vocab, hidden = meta["model.model.embed_tokens.weight"].size
     par, optimizer = build(cfg, vocab, 32, torch.device("cpu"), resuming=True)
-    dcp.load(
-        {KEY_MODEL: ModelState(par.model), KEY_OPTIM: OptimizerState(par.model, optimizer)}, checkpoint_id=checkpoint
-    )
+    state = TrainState(dist.get_rank())
+    state.add(KEY_MODEL, ModelState(par.model))
+    state.add(KEY_OPTIM, OptimizerState(par.model, optimizer))
+    state.allocate(meta)
+    dcp.load(dict(state.components), checkpoint_id=checkpoint)
     model = get_model_state_dict(par.model, options=FULL)
     optim, _ = flatten_state_dict(get_optimizer_state_dict(par.model, optimizer, options=FULL))
     if dist.get_rank() == 0:
@@ -72,8 +75,8 @@ def state_bytes(out: str, preset: str, vocab: int, seq_len: int, strategy: str) 
     return sizes, norm
 
 
-def worker(rank: int, store: str, out: str, loads: list[str], sizes: list[str]) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD_SIZE)
+def worker(rank: int, world_size: int, store: str, out: str, loads: list[str], sizes: list[str]) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     for spec in loads:
         load_full(out, *spec.split("="))
     measured = {}
@@ -81,25 +84,31 @@ def worker(rank: int, store: str, out: str, loads: list[str], sizes: list[str]) 
         preset, vocab, seq_len = spec.split("=")
         for strategy in ("ddp", "fsdp"):
             result = state_bytes(out, preset, int(vocab), int(seq_len), strategy)
-            rows = [None] * WORLD_SIZE
+            rows = [None] * world_size
             dist.all_gather_object(rows, result)
             measured[f"{preset}/{strategy}"] = [r[0] for r in rows]
             measured[f"grad_norm/{preset}/{strategy}"] = [r[1] for r in rows]
     if rank == 0:
         with open(os.path.join(out, "result.json"), "w") as f:
-            json.dump({"world_size": WORLD_SIZE, **measured}, f)
+            json.dump({"world_size": world_size, **measured}, f)
     dist.destroy_process_group()
 
 
 def main() -> None:
     out, args = sys.argv[1], sys.argv[2:]
+    world_size = 2
+    if args[:1] == ["--world-size"]:
+        world_size, args = int(args[1]), args[2:]
     split = args.index("--bytes") if "--bytes" in args else len(args)
     os.makedirs(out, exist_ok=True)
     store = os.path.join(tempfile.mkdtemp(), "store")
     # forkserver: a rank ends with os._exit, skipping the interpreter's finalization, where a spawned
     # rank aborted about one run in eight ("terminate called without an active exception").
     mp.start_processes(
-        worker, args=(store, out, args[:split], args[split + 1 :]), nprocs=WORLD_SIZE, start_method="forkserver"
+        worker,
+        args=(world_size, store, out, args[:split], args[split + 1 :]),
+        nprocs=world_size,
+        start_method="forkserver",
     )
 
 
