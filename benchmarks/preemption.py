@@ -26,7 +26,6 @@ import statistics
 import subprocess
 import sys
 import sysconfig
-import threading
 import time
 from pathlib import Path
 
@@ -45,13 +44,20 @@ def one(preset: str, workdir: str, steps_after: int) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
+    from raytrain_ft.data.prepare import PrepareSettings
     from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV
+    from raytrain_ft.launch.prepare import prepare
 
     os.environ.update({**RAY_NODE_ENV, **WORKER_ENV})
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     node = cluster.add_node(num_cpus=2)
     ray.init(address=cluster.address, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=False)
     try:
+        if not os.path.exists(os.path.join(DATA, "manifest.json")):  # on this cluster: prepare starts no Ray of its own
+            settings = PrepareSettings(
+                seq_len=256, vocab_size=2048, rows_per_row_group=4, validation_fraction=0.0, validation_min_docs=0
+            )
+            prepare(CORPUS, DATA, settings)
         return drain_once(preset, workdir, steps_after, cluster, node)
     finally:  # the run is stopped with its cluster
         ray.shutdown()
@@ -59,6 +65,7 @@ def one(preset: str, workdir: str, steps_after: int) -> dict:
 
 
 def drain_once(preset: str, workdir: str, steps_after: int, cluster, node) -> dict:
+    from goodput import in_thread, wait_for
     from mlflow.tracking import MlflowClient
 
     from raytrain_ft.config import load_config
@@ -79,15 +86,24 @@ def drain_once(preset: str, workdir: str, steps_after: int, cluster, node) -> di
         ],
     )
     root = os.path.join(workdir, "runs", f"preempt-{preset}")
-    threading.Thread(target=run, args=(cfg,), daemon=True).start()
+    running, _ = in_thread(lambda: run(cfg))
+
+    def wait(condition, what: str):
+        value = wait_for(condition, running)  # bounded (goodput.WAIT_S)
+        if value is None:
+            raise RuntimeError(f"{preset}: the run ended before {what} (its traceback is above)")
+        return value
+
     snapshot = os.path.join(root, "checkpoint_manager_snapshot.json")
-    while not (os.path.exists(snapshot) and '"step-3"' in Path(snapshot).read_text()):
-        time.sleep(0.5)
+    wait(lambda: os.path.exists(snapshot) and '"step-3"' in Path(snapshot).read_text(), "its first commit")
     run_id = Path(root, "mlflow_run_id").read_text().strip()
     client = MlflowClient(cfg.tracking.uri)
-    while max((m.step for m in client.get_metric_history(run_id, "step_time_s")), default=0) < 3 + steps_after:
-        time.sleep(0.5)
-    step_times = [m.value for m in client.get_metric_history(run_id, "step_time_s") if m.step > 3]
+
+    def step_times() -> list[float]:
+        return [m.value for m in client.get_metric_history(run_id, "train_live/step_time_s") if m.step > 3]
+
+    wait(lambda: len(step_times()) >= steps_after, f"{steps_after} steps after its first commit")
+    times = step_times()
     drained_at = time.time()
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
     subprocess.run(
@@ -96,16 +112,14 @@ def drain_once(preset: str, workdir: str, steps_after: int, cluster, node) -> di
         check=True, capture_output=True, timeout=60,
     )  # fmt: skip
     recorder = MlflowRecorder(cfg.tracking.uri, run_id)
-    while not (found := [e for e in recorder.events() if e["kind"] == "preemption"]):
-        time.sleep(0.2)
-    event = found[0]
+    event = wait(lambda: next((e for e in recorder.events() if e["kind"] == "preemption"), None), "a preemption event")
     step_dir = os.path.join(root, f"step-{event['step_saved']}")
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(step_dir) for f in fs)
     return {
         "notice_to_committed_s": event["notice_to_committed_s"],
         "drain_to_committed_s": event["time"] - drained_at,
         "drain_to_notice_s": event["notice_time"] - drained_at,
-        "step_time_s_median": statistics.median(step_times),
+        "step_time_s_median": statistics.median(times),
         "checkpoint_bytes": size,
         "step_saved": event["step_saved"],
         "share_of_window": {k: (event["time"] - drained_at) / w for k, w in WINDOWS_S.items()},
@@ -124,13 +138,8 @@ def main() -> None:
         os._exit(0)  # the stopped run's driver thread does not end by itself
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from raytrain_ft.data.prepare import PrepareSettings, prepare
     from report import default_out, report, scratch
 
-    if not os.path.exists(os.path.join(DATA, "manifest.json")):
-        prepare(
-            CORPUS, DATA, PrepareSettings(seq_len=256, vocab_size=2048, validation_fraction=0.0, validation_min_docs=0)
-        )
     result: dict = {"windows_s": WINDOWS_S}
     for preset in args.presets:
         workdir = scratch(f"preempt-{preset}-")
