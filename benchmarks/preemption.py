@@ -1,25 +1,28 @@
-"""Notice to committed: how long after a drain notice for preemption a restart-mode run has its
-just-in-time checkpoint registered, for `configs/tiny.yaml` and the `125m` preset on CPU, against
-the windows clouds give before they take a spot VM (GKE spot 30 s, AWS spot 120 s).
+"""Notice to committed: how long after a drain notice for preemption a run has the step after the
+notice committed, in both recovery modes, for `configs/tiny.yaml` and the `125m` preset on CPU,
+against the windows clouds give before they take a spot VM (GKE spot 30 s, AWS spot 120 s).
 
-Per preset, in a subprocess of its own (a `ray.cluster_utils.Cluster` needs a process without
-another Ray instance): a head of 0 CPUs and one worker node of 2 CPUs, 2 workers at 0.9 CPU
-(`failure.recovery: restart`). Once the run has committed its first checkpoint and trained
-`--steps-after` more steps, the worker node is drained (`ray drain-node --reason
-DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds 30`); the figure is the `preemption`
-event's `notice_to_committed_s` (the worker saw the notice -> every rank's checkpoint of the next
-step written and registered by Ray Train), and `drain_to_committed_s` from the `ray drain-node`
-call (adds the drain poll, at most `launch.preemption.POLL_INTERVAL_S`). The run is then stopped.
-Also reported: the median step time before the drain and the checkpoint's size, the two parts of
-the figure that grow with the model. The corpus: the stdlib's `json` package at seq_len 256 (a
+Per mode and preset, in a subprocess of its own (a `ray.cluster_utils.Cluster` needs a process
+without another Ray instance): a head of 0 CPUs and two worker nodes of 1 CPU, 2 workers at 0.9 CPU
+(one per node). Once the run has committed its first checkpoint and trained `--steps-after` more
+steps, the second node is drained (`ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION
+--deadline-remaining-seconds 30`); the figure is the `preemption` event's `notice_to_committed_s`
+(the drained worker saw the notice -> the next step committed: under `restart` every rank's
+checkpoint of it written and registered by Ray Train; under `replica` the step committed by every
+replica, the doomed one leaving the quorum after it and the survivor holding it in memory, no
+checkpoint), `drain_to_committed_s` from the start of the `ray drain-node` command (adds the
+command's own start, `drain_cli_s`, and the drain poll, at most `launch.preemption.POLL_INTERVAL_S`).
+The run is then stopped. Also reported: the median step time before the drain and the checkpoint's
+size, the two parts of the figure that grow with the model. The corpus: the stdlib's `json` package at seq_len 256 (a
 vocabulary of 2048; the step's cost is the model's, not the corpus's). tiny: its config (global
 batch 8). 125m: global batch 2 (one sequence per worker: a CPU step of ~100M parameters is
-slow). Prints JSON and writes benchmarks/results/preemption.json (about 5 minutes on 2 cores).
+slow). Prints JSON and writes benchmarks/results/preemption.json (about 8 minutes on 2 cores).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import statistics
@@ -33,14 +36,15 @@ WINDOWS_S = {"gke_spot": 30.0, "aws_spot": 120.0}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(REPO, "data", "stdlib-json")  # the stdlib's json package: a small corpus, quick to prepare
 CORPUS = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
+MODES = ("restart", "replica")
 PRESETS = {
     "tiny": ["model.preset=tiny", "train.global_batch_size=8", "train.micro_batch_size=2"],
     "125m": ["model.preset=125m", "train.global_batch_size=2", "train.micro_batch_size=1"],
 }
 
 
-def one(preset: str, workdir: str, steps_after: int) -> dict:
-    """One preset's drain (run in this process, which owns its Cluster)."""
+def one(mode: str, preset: str, workdir: str, steps_after: int) -> dict:
+    """One mode's and preset's drain (run in this process, which owns its Cluster)."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -50,7 +54,8 @@ def one(preset: str, workdir: str, steps_after: int) -> dict:
 
     os.environ.update({**RAY_NODE_ENV, **WORKER_ENV})
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    node = cluster.add_node(num_cpus=2)
+    cluster.add_node(num_cpus=1)
+    node = cluster.add_node(num_cpus=1)  # the one drained
     ray.init(address=cluster.address, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=False)
     try:
         if not os.path.exists(os.path.join(DATA, "manifest.json")):  # on this cluster: prepare starts no Ray of its own
@@ -58,13 +63,13 @@ def one(preset: str, workdir: str, steps_after: int) -> dict:
                 seq_len=256, vocab_size=2048, rows_per_row_group=4, validation_fraction=0.0, validation_min_docs=0
             )
             prepare(CORPUS, DATA, settings)
-        return drain_once(preset, workdir, steps_after, cluster, node)
+        return drain_once(mode, preset, workdir, steps_after, cluster, node)
     finally:  # the run is stopped with its cluster
         ray.shutdown()
         cluster.shutdown()
 
 
-def drain_once(preset: str, workdir: str, steps_after: int, cluster, node) -> dict:
+def drain_once(mode: str, preset: str, workdir: str, steps_after: int, cluster, node) -> dict:
     from goodput import in_thread, wait_for
     from mlflow.tracking import MlflowClient
 
@@ -83,6 +88,7 @@ def drain_once(preset: str, workdir: str, steps_after: int, cluster, node) -> di
             "train.max_steps=1000",
             "checkpoint.interval_steps=3",
             "scaling.cpus_per_worker=0.9",
+            f"failure.recovery={mode}",
         ],
     )
     root = os.path.join(workdir, "runs", f"preempt-{preset}")
@@ -111,14 +117,18 @@ def drain_once(preset: str, workdir: str, steps_after: int, cluster, node) -> di
          "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "benchmark", "--deadline-remaining-seconds", "30"],
         check=True, capture_output=True, timeout=60,
     )  # fmt: skip
+    cli_s = time.time() - drained_at
     recorder = MlflowRecorder(cfg.tracking.uri, run_id)
     event = wait(lambda: next((e for e in recorder.events() if e["kind"] == "preemption"), None), "a preemption event")
-    step_dir = os.path.join(root, f"step-{event['step_saved']}")
+    # the newest checkpoint: under restart the one saved after the notice, under replica the last periodic one
+    step_dir = max(glob.glob(os.path.join(root, "step-*")), key=lambda d: int(d.rsplit("-", 1)[1]))
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(step_dir) for f in fs)
     return {
         "notice_to_committed_s": event["notice_to_committed_s"],
         "drain_to_committed_s": event["time"] - drained_at,
         "drain_to_notice_s": event["notice_time"] - drained_at,
+        "drain_cli_s": cli_s,
+        "checkpoint": event["checkpoint"],
         "step_time_s_median": statistics.median(times),
         "checkpoint_bytes": size,
         "step_saved": event["step_saved"],
@@ -128,28 +138,32 @@ def drain_once(preset: str, workdir: str, steps_after: int, cluster, node) -> di
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
     p.add_argument("--steps-after", type=int, default=2, help="steps trained after the first commit, before the drain")
-    p.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one preset, print its JSON
+    p.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # internal: run one mode and preset, print its JSON
     p.add_argument("--workdir", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        print("RESULT " + json.dumps(one(args.one, args.workdir, args.steps_after)), flush=True)
+        print("RESULT " + json.dumps(one(*args.one, args.workdir, args.steps_after)), flush=True)
         os._exit(0)  # the stopped run's driver thread does not end by itself
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from report import default_out, report, scratch
 
     result: dict = {"windows_s": WINDOWS_S}
-    for preset in args.presets:
-        workdir = scratch(f"preempt-{preset}-")
-        env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-        cmd = [sys.executable, __file__, "--one", preset, "--workdir", workdir, "--steps-after", str(args.steps_after)]
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, start_new_session=True)
-        line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-        if line is None:
-            raise RuntimeError(f"{preset}: no result\n{out.stderr[-3000:]}")
-        result[preset] = json.loads(line[len("RESULT ") :])
+    for mode in args.modes:
+        result[mode] = {}
+        for preset in args.presets:
+            workdir = scratch(f"preempt-{mode}-{preset}-")
+            env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+            cmd = [sys.executable, __file__, "--one", mode, preset, "--workdir", workdir]
+            cmd += ["--steps-after", str(args.steps_after)]
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, start_new_session=True)
+            line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                raise RuntimeError(f"{mode} {preset}: no result\n{out.stderr[-3000:]}")
+            result[mode][preset] = json.loads(line[len("RESULT ") :])
     report(result, default_out("preemption"))
 
 
