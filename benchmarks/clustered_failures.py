@@ -28,6 +28,7 @@ import glob
 import os
 import random
 import time
+from pathlib import Path
 
 import ray
 from goodput import DATA, phase, phase_medians, plain, raytrain_ft, scaled_gaps
@@ -36,8 +37,9 @@ from mlflow.tracking import MlflowClient
 from raytrain_ft.config import load_config
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.prepare import PrepareSettings
-from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV, run
+from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV, RunFailed, run
 from raytrain_ft.launch.prepare import prepare
+from raytrain_ft.resilience.recovery import failures
 from raytrain_ft.telemetry.tracking import MlflowRecorder
 from report import default_out, report, scratch
 
@@ -72,27 +74,45 @@ def clustered(root: str) -> dict:
         ],
     )
     started = time.time()
-    run_id = run(cfg)
+    failed = None
+    try:
+        run(cfg)
+    except RunFailed as e:  # reported with the run's failures instead of ending the benchmark
+        failed = str(e)
     wall_s = time.time() - started
+    run_root = os.path.join(root, "runs", cfg.run.name)
+    run_id = Path(run_root, "mlflow_run_id").read_text().strip()
     markers = {}
-    for path in glob.glob(os.path.join(root, "runs", cfg.run.name, "faults", "*.fired")):
+    for path in glob.glob(os.path.join(run_root, "faults", "*.fired")):
         with open(path) as f:
             markers[int(os.path.basename(path).split("-")[0])] = float(f.read())
+    events = MlflowRecorder(cfg.tracking.uri, run_id).events()
+    if failed:
+        return {
+            "failed": failed,
+            "wall_s": wall_s,
+            "fault_fired_s": {NAMES_ALL[i]: t - started for i, t in sorted(markers.items())},
+            "failures": [
+                {"at_s": f["time"] - started, **{k: f.get(k) for k in ("source", "causes", "details")}}
+                for _, f in failures(events)
+            ],
+            "resumed_from": [e.get("resumed_from") for e in events if e["kind"] == "attempt_start"],
+        }
     steps = sorted(m.timestamp / 1000 for m in MlflowClient(cfg.tracking.uri).get_metric_history(run_id, "train/loss"))
 
     def to_next_step(t: float) -> float:
         return next(s for s in steps if s > t) - t
 
-    starts = [e for e in MlflowRecorder(cfg.tracking.uri, run_id).events() if e["kind"] == "group_start"]
+    starts = [e for e in events if e["kind"] == "group_start"]
     return {
         "wall_s": wall_s,
-        "failure_to_next_step_s": {name: to_next_step(markers[i]) for i, name in enumerate(("kill_at_step_7", *NAMES))},
+        "failure_to_next_step_s": {name: to_next_step(markers[i]) for i, name in enumerate(NAMES_ALL)},
         "group_starts": len(starts),
         "every_start_found_the_baseline": all(s["free"] == s["baseline"] and not s["placement_groups"] for s in starts),
     }
 
 
-NAMES = ("kill_in_setup", "kill_at_launch", "kill_at_first_step")
+NAMES_ALL = ("kill_at_step_7", "kill_in_setup", "kill_at_launch", "kill_at_first_step")
 MODES = ("restart", "replica")
 
 

@@ -45,6 +45,9 @@ PRESETS = {
 
 def one(mode: str, preset: str, workdir: str, steps_after: int) -> dict:
     """One mode's and preset's drain (run in this process, which owns its Cluster)."""
+    # read when ray is imported: the stopped run's driver thread must not start a Ray of its own once
+    # its cluster is shut down (`ray.kill` would, and the Cluster then refuses to shut down)
+    os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
     import ray
     from ray.cluster_utils import Cluster
 
