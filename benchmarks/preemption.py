@@ -3,9 +3,11 @@ notice committed, in both recovery modes, for `configs/tiny.yaml` and the `125m`
 against the windows clouds give before they take a spot VM (GKE spot 30 s, AWS spot 120 s).
 
 Per mode and preset, in a subprocess of its own (a `ray.cluster_utils.Cluster` needs a process
-without another Ray instance): a head of 0 CPUs and two worker nodes of 1 CPU, 2 workers at 0.9 CPU
-(one per node). Once the run has committed its first checkpoint and trained `--steps-after` more
-steps, the second node is drained (`ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION
+without another Ray instance): a head and a worker node of 1 CPU each, 2 workers of 1 CPU (one per
+node; the layout of tests/scenarios/replica_preemption.py: a 0-CPU head leaves no room for the
+lighthouse actor Ray Train places on the controller's node). Once the run has committed its first
+checkpoint and trained `--steps-after` more steps, the worker node is drained (`ray drain-node
+--reason DRAIN_NODE_REASON_PREEMPTION
 --deadline-remaining-seconds 30`); the figure is the `preemption` event's `notice_to_committed_s`
 (the drained worker saw the notice -> the next step committed: under `restart` every rank's
 checkpoint of it written and registered by Ray Train; under `replica` the step committed by every
@@ -56,9 +58,10 @@ def one(mode: str, preset: str, workdir: str, steps_after: int) -> dict:
     from raytrain_ft.launch.prepare import prepare
 
     os.environ.update({**RAY_NODE_ENV, **WORKER_ENV})
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    cluster.add_node(num_cpus=1)
-    node = cluster.add_node(num_cpus=1)  # the one drained
+    # tests/scenarios/replica_preemption.py's layout: the head (driver, Train controller, torchft
+    # lighthouse) holds one worker, the drained node the other
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    node = cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=False)
     try:
         if not os.path.exists(os.path.join(DATA, "manifest.json")):  # on this cluster: prepare starts no Ray of its own
@@ -90,7 +93,7 @@ def drain_once(mode: str, preset: str, workdir: str, steps_after: int, cluster, 
             *PRESETS[preset],
             "train.max_steps=1000",
             "checkpoint.interval_steps=3",
-            "scaling.cpus_per_worker=0.9",
+            "scaling.cpus_per_worker=1",
             f"failure.recovery={mode}",
         ],
     )
