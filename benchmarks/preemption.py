@@ -167,8 +167,10 @@ def main() -> None:
             cmd += ["--steps-after", str(args.steps_after)]
             out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, start_new_session=True)
             line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if line is None:
-                raise RuntimeError(f"{mode} {preset}: no result\n{out.stderr[-3000:]}")
+            if line is None:  # reported, and the other runs still measured
+                print(f"{mode} {preset}: no result (exit {out.returncode})\n{out.stderr[-3000:]}", file=sys.stderr)
+                result[mode][preset] = {"failed": out.stderr.strip().splitlines()[-1:], "returncode": out.returncode}
+                continue
             result[mode][preset] = json.loads(line[len("RESULT ") :])
     report(result, default_out("preemption"))
 
