@@ -1,32 +1,36 @@
-"""Notice to committed: how long after a drain notice for preemption a restart-mode run has its
-just-in-time checkpoint registered, for `configs/tiny.yaml` and the `125m` preset on CPU, against
-the windows clouds give before they take a spot VM (GKE spot 30 s, AWS spot 120 s).
+"""Notice to committed: how long after a drain notice for preemption a run has the step after the
+notice committed, in both recovery modes, for `configs/tiny.yaml` and the `125m` preset on CPU,
+against the windows clouds give before they take a spot VM (GKE spot 30 s, AWS spot 120 s).
 
-Per preset, in a subprocess of its own (a `ray.cluster_utils.Cluster` needs a process without
-another Ray instance): a head of 0 CPUs and one worker node of 2 CPUs, 2 workers at 0.9 CPU
-(`failure.recovery: restart`). Once the run has committed its first checkpoint and trained
-`--steps-after` more steps, the worker node is drained (`ray drain-node --reason
-DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds 30`); the figure is the `preemption`
-event's `notice_to_committed_s` (the worker saw the notice -> every rank's checkpoint of the next
-step written and registered by Ray Train), and `drain_to_committed_s` from the `ray drain-node`
-call (adds the drain poll, at most `launch.preemption.POLL_INTERVAL_S`). The run is then stopped.
-Also reported: the median step time before the drain and the checkpoint's size, the two parts of
-the figure that grow with the model. The corpus: the stdlib's `json` package at seq_len 256 (a
+Per mode and preset, in a subprocess of its own (a `ray.cluster_utils.Cluster` needs a process
+without another Ray instance): a head and a worker node of 1 CPU each, 2 workers of 1 CPU (one per
+node; the layout of tests/scenarios/replica_preemption.py: a 0-CPU head leaves no room for the
+lighthouse actor Ray Train places on the controller's node). Once the run has committed its first
+checkpoint and trained `--steps-after` more steps, the worker node is drained (`ray drain-node
+--reason DRAIN_NODE_REASON_PREEMPTION
+--deadline-remaining-seconds 30`); the figure is the `preemption` event's `notice_to_committed_s`
+(the drained worker saw the notice -> the next step committed: under `restart` every rank's
+checkpoint of it written and registered by Ray Train; under `replica` the step committed by every
+replica, the doomed one leaving the quorum after it and the survivor holding it in memory, no
+checkpoint), `drain_to_committed_s` from the start of the `ray drain-node` command (adds the
+command's own start, `drain_cli_s`, and the drain poll, at most `launch.preemption.POLL_INTERVAL_S`).
+The run is then stopped. Also reported: the median step time before the drain and the checkpoint's
+size, the two parts of the figure that grow with the model. The corpus: the stdlib's `json` package at seq_len 256 (a
 vocabulary of 2048; the step's cost is the model's, not the corpus's). tiny: its config (global
 batch 8). 125m: global batch 2 (one sequence per worker: a CPU step of ~100M parameters is
-slow). Prints JSON and writes benchmarks/results/preemption.json (about 5 minutes on 2 cores).
+slow). Prints JSON and writes benchmarks/results/preemption.json (about 8 minutes on 2 cores).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import statistics
 import subprocess
 import sys
 import sysconfig
-import threading
 import time
 from pathlib import Path
 
@@ -34,31 +38,45 @@ WINDOWS_S = {"gke_spot": 30.0, "aws_spot": 120.0}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(REPO, "data", "stdlib-json")  # the stdlib's json package: a small corpus, quick to prepare
 CORPUS = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
+MODES = ("restart", "replica")
 PRESETS = {
     "tiny": ["model.preset=tiny", "train.global_batch_size=8", "train.micro_batch_size=2"],
     "125m": ["model.preset=125m", "train.global_batch_size=2", "train.micro_batch_size=1"],
 }
 
 
-def one(preset: str, workdir: str, steps_after: int) -> dict:
-    """One preset's drain (run in this process, which owns its Cluster)."""
+def one(mode: str, preset: str, workdir: str, steps_after: int) -> dict:
+    """One mode's and preset's drain (run in this process, which owns its Cluster)."""
+    # read when ray is imported: the stopped run's driver thread must not start a Ray of its own once
+    # its cluster is shut down (`ray.kill` would, and the Cluster then refuses to shut down)
+    os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
     import ray
     from ray.cluster_utils import Cluster
 
+    from raytrain_ft.data.prepare import PrepareSettings
     from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV
+    from raytrain_ft.launch.prepare import prepare
 
     os.environ.update({**RAY_NODE_ENV, **WORKER_ENV})
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    node = cluster.add_node(num_cpus=2)
+    # tests/scenarios/replica_preemption.py's layout: the head (driver, Train controller, torchft
+    # lighthouse) holds one worker, the drained node the other
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    node = cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=False)
     try:
-        return drain_once(preset, workdir, steps_after, cluster, node)
+        if not os.path.exists(os.path.join(DATA, "manifest.json")):  # on this cluster: prepare starts no Ray of its own
+            settings = PrepareSettings(
+                seq_len=256, vocab_size=2048, rows_per_row_group=4, validation_fraction=0.0, validation_min_docs=0
+            )
+            prepare(CORPUS, DATA, settings)
+        return drain_once(mode, preset, workdir, steps_after, cluster, node)
     finally:  # the run is stopped with its cluster
         ray.shutdown()
         cluster.shutdown()
 
 
-def drain_once(preset: str, workdir: str, steps_after: int, cluster, node) -> dict:
+def drain_once(mode: str, preset: str, workdir: str, steps_after: int, cluster, node) -> dict:
+    from goodput import in_thread, wait_for
     from mlflow.tracking import MlflowClient
 
     from raytrain_ft.config import load_config
@@ -75,19 +93,29 @@ def drain_once(preset: str, workdir: str, steps_after: int, cluster, node) -> di
             *PRESETS[preset],
             "train.max_steps=1000",
             "checkpoint.interval_steps=3",
-            "scaling.cpus_per_worker=0.9",
+            "scaling.cpus_per_worker=1",
+            f"failure.recovery={mode}",
         ],
     )
     root = os.path.join(workdir, "runs", f"preempt-{preset}")
-    threading.Thread(target=run, args=(cfg,), daemon=True).start()
+    running, _ = in_thread(lambda: run(cfg))
+
+    def wait(condition, what: str):
+        value = wait_for(condition, running)  # bounded (goodput.WAIT_S)
+        if value is None:
+            raise RuntimeError(f"{preset}: the run ended before {what} (its traceback is above)")
+        return value
+
     snapshot = os.path.join(root, "checkpoint_manager_snapshot.json")
-    while not (os.path.exists(snapshot) and '"step-3"' in Path(snapshot).read_text()):
-        time.sleep(0.5)
+    wait(lambda: os.path.exists(snapshot) and '"step-3"' in Path(snapshot).read_text(), "its first commit")
     run_id = Path(root, "mlflow_run_id").read_text().strip()
     client = MlflowClient(cfg.tracking.uri)
-    while max((m.step for m in client.get_metric_history(run_id, "step_time_s")), default=0) < 3 + steps_after:
-        time.sleep(0.5)
-    step_times = [m.value for m in client.get_metric_history(run_id, "step_time_s") if m.step > 3]
+
+    def step_times() -> list[float]:
+        return [m.value for m in client.get_metric_history(run_id, "train_live/step_time_s") if m.step > 3]
+
+    wait(lambda: len(step_times()) >= steps_after, f"{steps_after} steps after its first commit")
+    times = step_times()
     drained_at = time.time()
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
     subprocess.run(
@@ -95,17 +123,19 @@ def drain_once(preset: str, workdir: str, steps_after: int, cluster, node) -> di
          "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "benchmark", "--deadline-remaining-seconds", "30"],
         check=True, capture_output=True, timeout=60,
     )  # fmt: skip
+    cli_s = time.time() - drained_at
     recorder = MlflowRecorder(cfg.tracking.uri, run_id)
-    while not (found := [e for e in recorder.events() if e["kind"] == "preemption"]):
-        time.sleep(0.2)
-    event = found[0]
-    step_dir = os.path.join(root, f"step-{event['step_saved']}")
+    event = wait(lambda: next((e for e in recorder.events() if e["kind"] == "preemption"), None), "a preemption event")
+    # the newest checkpoint: under restart the one saved after the notice, under replica the last periodic one
+    step_dir = max(glob.glob(os.path.join(root, "step-*")), key=lambda d: int(d.rsplit("-", 1)[1]))
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(step_dir) for f in fs)
     return {
         "notice_to_committed_s": event["notice_to_committed_s"],
         "drain_to_committed_s": event["time"] - drained_at,
         "drain_to_notice_s": event["notice_time"] - drained_at,
-        "step_time_s_median": statistics.median(step_times),
+        "drain_cli_s": cli_s,
+        "checkpoint": event["checkpoint"],
+        "step_time_s_median": statistics.median(times),
         "checkpoint_bytes": size,
         "step_saved": event["step_saved"],
         "share_of_window": {k: (event["time"] - drained_at) / w for k, w in WINDOWS_S.items()},
@@ -114,33 +144,34 @@ def drain_once(preset: str, workdir: str, steps_after: int, cluster, node) -> di
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
     p.add_argument("--steps-after", type=int, default=2, help="steps trained after the first commit, before the drain")
-    p.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one preset, print its JSON
+    p.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # internal: run one mode and preset, print its JSON
     p.add_argument("--workdir", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        print("RESULT " + json.dumps(one(args.one, args.workdir, args.steps_after)), flush=True)
+        print("RESULT " + json.dumps(one(*args.one, args.workdir, args.steps_after)), flush=True)
         os._exit(0)  # the stopped run's driver thread does not end by itself
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from raytrain_ft.data.prepare import PrepareSettings, prepare
     from report import default_out, report, scratch
 
-    if not os.path.exists(os.path.join(DATA, "manifest.json")):
-        prepare(
-            CORPUS, DATA, PrepareSettings(seq_len=256, vocab_size=2048, validation_fraction=0.0, validation_min_docs=0)
-        )
     result: dict = {"windows_s": WINDOWS_S}
-    for preset in args.presets:
-        workdir = scratch(f"preempt-{preset}-")
-        env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-        cmd = [sys.executable, __file__, "--one", preset, "--workdir", workdir, "--steps-after", str(args.steps_after)]
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, start_new_session=True)
-        line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-        if line is None:
-            raise RuntimeError(f"{preset}: no result\n{out.stderr[-3000:]}")
-        result[preset] = json.loads(line[len("RESULT ") :])
+    for mode in args.modes:
+        result[mode] = {}
+        for preset in args.presets:
+            workdir = scratch(f"preempt-{mode}-{preset}-")
+            env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+            cmd = [sys.executable, __file__, "--one", mode, preset, "--workdir", workdir]
+            cmd += ["--steps-after", str(args.steps_after)]
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, start_new_session=True)
+            line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:  # reported, and the other runs still measured
+                print(f"{mode} {preset}: no result (exit {out.returncode})\n{out.stderr[-3000:]}", file=sys.stderr)
+                result[mode][preset] = {"failed": out.stderr.strip().splitlines()[-1:], "returncode": out.returncode}
+                continue
+            result[mode][preset] = json.loads(line[len("RESULT ") :])
     report(result, default_out("preemption"))
 
 
