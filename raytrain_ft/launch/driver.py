@@ -28,7 +28,7 @@ from raytrain_ft.preflight import problems
 from raytrain_ft.resilience.recovery import GROUP_START, cause_text, failures, root_first, who
 from raytrain_ft.resilience.replicas import LIGHTHOUSE
 from raytrain_ft.resilience.waits import HEALTH_CHECK_INTERVAL_S
-from raytrain_ft.run_folder import raise_if_ended, read_exclusions, run_root
+from raytrain_ft.run_folder import read_exclusions, run_root
 from raytrain_ft.telemetry.tracking import MlflowRecorder, finish_run, flatten, resolve_uri, start_or_resume_run
 
 log = logging.getLogger(__name__)
