@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 
 def proportional_split(global_batch_size: int, speeds: list[float]) -> tuple[int, ...]:
     """Shares of `global_batch_size` in proportion to `speeds` (one per rank, > 0): largest remainder
-    (ties to the lower rank), each share at least 1 (taken from the largest). Empty when all speeds are equal (the even rule).
+    (ties to the lower rank), each share at least 1 (taken from the largest). Empty when all speeds
+    are equal (the even rule).
 
     Raises:
         ValueError: fewer sequences than ranks, or a speed <= 0.
