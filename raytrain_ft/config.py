@@ -200,12 +200,8 @@ class StragglerSection:
     `raytrain_ft.resilience.straggler.Exclusion`, docs/stragglers.md).
     """
 
-    action: str = (
-        "warn"  # warn: record the event; rebalance: also move sequences off the rank; exclude: see exclude_after_steps
-    )
-    threshold: float = (
-        1.5  # a rank is slow at a step when its compute exceeds this x what the others predict for its share
-    )
+    action: str = "warn"  # warn: record the event; rebalance: move sequences off it; exclude: see exclude_after_steps
+    threshold: float = 1.5  # slow at a step: its compute over what the others predict for its share exceeds this
     window: int = 10  # steps judged: a rank is flagged when slow in min_slow_steps of the last window steps
     min_slow_steps: int = 6  # of the last window steps; a flagged rank recovers when fast in as many
     exclude_after_steps: int = 10  # action exclude: a flagged rank not recovered this many steps after its flag leaves
