@@ -45,8 +45,8 @@ PRESETS = {
 }
 
 
-def one(mode: str, preset: str, workdir: str, steps_after: int) -> dict:
-    """One mode's and preset's drain (run in this process, which owns its Cluster)."""
+def one(mode: str, preset: str, workdir: str, steps_after: int) -> None:
+    """One mode's and preset's drain (run in this process, which owns its Cluster): prints `RESULT <json>`."""
     # read when ray is imported: the stopped run's driver thread must not start a Ray of its own once
     # its cluster is shut down (`ray.kill` would, and the Cluster then refuses to shut down)
     os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
@@ -69,7 +69,8 @@ def one(mode: str, preset: str, workdir: str, steps_after: int) -> dict:
                 seq_len=256, vocab_size=2048, rows_per_row_group=4, validation_fraction=0.0, validation_min_docs=0
             )
             prepare(CORPUS, DATA, settings)
-        return drain_once(mode, preset, workdir, steps_after, cluster, node)
+        # printed before the shutdown: the stopped run's driver thread may end this process during it
+        print("RESULT " + json.dumps(drain_once(mode, preset, workdir, steps_after, cluster, node)), flush=True)
     finally:  # the run is stopped with its cluster
         ray.shutdown()
         cluster.shutdown()
@@ -151,7 +152,8 @@ def main() -> None:
     p.add_argument("--workdir", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        print("RESULT " + json.dumps(one(*args.one, args.workdir, args.steps_after)), flush=True)
+        mode, preset = args.one
+        one(mode, preset, args.workdir, args.steps_after)
         os._exit(0)  # the stopped run's driver thread does not end by itself
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
