@@ -24,7 +24,6 @@ slow). Prints JSON and writes benchmarks/results/preemption.json (about 8 minute
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import statistics
@@ -45,8 +44,8 @@ PRESETS = {
 }
 
 
-def one(mode: str, preset: str, workdir: str, steps_after: int) -> dict:
-    """One mode's and preset's drain (run in this process, which owns its Cluster)."""
+def one(mode: str, preset: str, workdir: str, steps_after: int) -> None:
+    """One mode's and preset's drain (run in this process, which owns its Cluster): prints `RESULT <json>`."""
     # read when ray is imported: the stopped run's driver thread must not start a Ray of its own once
     # its cluster is shut down (`ray.kill` would, and the Cluster then refuses to shut down)
     os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
@@ -69,7 +68,8 @@ def one(mode: str, preset: str, workdir: str, steps_after: int) -> dict:
                 seq_len=256, vocab_size=2048, rows_per_row_group=4, validation_fraction=0.0, validation_min_docs=0
             )
             prepare(CORPUS, DATA, settings)
-        return drain_once(mode, preset, workdir, steps_after, cluster, node)
+        # printed before the shutdown: the stopped run's driver thread may end this process during it
+        print("RESULT " + json.dumps(drain_once(mode, preset, workdir, steps_after, cluster, node)), flush=True)
     finally:  # the run is stopped with its cluster
         ray.shutdown()
         cluster.shutdown()
@@ -81,6 +81,7 @@ def drain_once(mode: str, preset: str, workdir: str, steps_after: int, cluster, 
 
     from raytrain_ft.config import load_config
     from raytrain_ft.launch.driver import run
+    from raytrain_ft.run_folder import complete_steps, read_latest, step_of
     from raytrain_ft.telemetry.tracking import MlflowRecorder
 
     cfg = load_config(
@@ -106,8 +107,8 @@ def drain_once(mode: str, preset: str, workdir: str, steps_after: int, cluster, 
             raise RuntimeError(f"{preset}: the run ended before {what} (its traceback is above)")
         return value
 
-    snapshot = os.path.join(root, "checkpoint_manager_snapshot.json")
-    wait(lambda: os.path.exists(snapshot) and '"step-3"' in Path(snapshot).read_text(), "its first commit")
+    # the committed checkpoint (both modes; under replica Ray Train's checkpoint manager writes no snapshot)
+    wait(lambda: (latest := read_latest(root)) is not None and step_of(latest) >= 3, "its first commit")
     run_id = Path(root, "mlflow_run_id").read_text().strip()
     client = MlflowClient(cfg.tracking.uri)
 
@@ -127,7 +128,7 @@ def drain_once(mode: str, preset: str, workdir: str, steps_after: int, cluster, 
     recorder = MlflowRecorder(cfg.tracking.uri, run_id)
     event = wait(lambda: next((e for e in recorder.events() if e["kind"] == "preemption"), None), "a preemption event")
     # the newest checkpoint: under restart the one saved after the notice, under replica the last periodic one
-    step_dir = max(glob.glob(os.path.join(root, "step-*")), key=lambda d: int(d.rsplit("-", 1)[1]))
+    step_dir = os.path.join(root, f"step-{complete_steps(root)[-1]}")  # a folder being written is not counted
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(step_dir) for f in fs)
     return {
         "notice_to_committed_s": event["notice_to_committed_s"],
@@ -151,7 +152,8 @@ def main() -> None:
     p.add_argument("--workdir", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        print("RESULT " + json.dumps(one(*args.one, args.workdir, args.steps_after)), flush=True)
+        mode, preset = args.one
+        one(mode, preset, args.workdir, args.steps_after)
         os._exit(0)  # the stopped run's driver thread does not end by itself
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
