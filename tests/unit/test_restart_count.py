@@ -16,7 +16,7 @@ from ray.train.v2._internal.execution.controller.state import (
 )
 
 from raytrain_ft.launch.callbacks import decided_failure, lost_in_setup, start_timed_out, start_timeout_cause
-from raytrain_ft.launch.driver import failed_during_group_start
+from raytrain_ft.launch.driver import _record_group_start_failure, failed_during_group_start
 from raytrain_ft.launch.group_start import START_TIMEOUT_ENV
 from raytrain_ft.resilience.recovery import CONSEQUENCE, GROUP_START, KILLED, failures, recovery_rows, totals
 
@@ -98,3 +98,33 @@ def test_a_start_timeout_is_a_failure_with_its_bound_and_what_was_free(monkeypat
         "no resources for the worker group of 2 workers within 30 s (failure.group_start_timeout_s); "
         "free in the cluster: {'CPU': 0.5}"
     )
+
+
+class Recorded:
+    """What `driver._record_group_start_failure` sends the run's recorder (no actor)."""
+
+    def __init__(self):
+        self.tagged: dict = {}
+        self.events: list[dict] = []
+
+    def latest_metrics(self) -> dict:
+        return {"last_step": 5}
+
+    def tags(self, tags: dict) -> None:
+        self.tagged.update(tags)
+
+    def event(self, kind: str, **fields) -> None:
+        self.events.append({"kind": kind, **fields})
+
+
+def test_a_worker_the_watchdog_stopped_inside_the_group_start_keeps_the_watchdog_cause():
+    lost = ControllerError(ActorDiedError())
+    stalled = "no progress for 61 s before the first step of its start (progress watchdog; stacks: x)"
+    recorded = Recorded()
+    _record_group_start_failure(recorded, lost, {1: stalled})  # type: ignore[arg-type]
+    [event] = recorded.events
+    assert event["source"] == GROUP_START and event["causes"] == {"1": f"while the worker group started: {stalled}"}
+    assert recorded.tagged["last_failure_cause"] == f"rank 1: while the worker group started: {stalled}"
+    plain = Recorded()
+    _record_group_start_failure(plain, lost, {})  # type: ignore[arg-type]
+    assert list(plain.events[0]["causes"]) == [GROUP_START]  # which rank died is not known
