@@ -15,6 +15,8 @@ import os
 import pickle
 import shutil
 import socket
+import subprocess
+import sys
 import sysconfig
 import tempfile
 import threading
@@ -56,10 +58,24 @@ def dataset(tmp_path_factory, ray_local) -> str:
     return out
 
 
-def scenario_outcome(stdout: str) -> dict:
-    """The JSON object a `tests/scenarios` script prints as its outcome: its last line that is one
-    (the raylet may print warnings to the driver's stdout after it, e.g. at shutdown)."""
-    return json.loads(next(line for line in reversed(stdout.splitlines()) if line.startswith("{")))
+def run_scenario(script: str, *args: str, timeout_s: float = 900) -> dict:
+    """Run `tests/scenarios/<script>` in its own process (a multi-node `ray.cluster_utils.Cluster`
+    cannot share this process's Ray) and return the JSON object it prints as its outcome: its last
+    line that is one (the raylet may print warnings to the driver's stdout after it, e.g. at shutdown).
+
+    Raises:
+        AssertionError: the script exited non-zero (the assertion shows its stderr's tail).
+        subprocess.TimeoutExpired: it ran past `timeout_s` seconds.
+    """
+    r = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tests", "scenarios", script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(next(line for line in reversed(r.stdout.splitlines()) if line.startswith("{")))
 
 
 @pytest.fixture(scope="session")

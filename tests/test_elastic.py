@@ -3,22 +3,17 @@ the run trains at 3 workers (a global batch of 8 over 3 ranks: 2/3/3 sequences) 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 from mlflow.tracking import MlflowClient
 from scenarios.elastic import elastic_config
 
 from conftest import (
     COMMITTED,
-    REPO,
     assert_resumed,
     events,
     expected_step_ids,
     metric_by_step,
-    scenario_outcome,
+    run_scenario,
     uninterrupted_lrs,
 )
 from raytrain_ft.data.audit import read_audit
@@ -31,15 +26,7 @@ def metric_values(uri: str, run_id: str, key: str) -> list[float]:
 
 
 def test_preemption_then_shrink_on_node_loss_then_grow_back(tmp_path, dataset):
-    r = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tests", "scenarios", "elastic.py"), dataset, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
-    outcome = scenario_outcome(r.stdout)
+    outcome = run_scenario("elastic.py", dataset, str(tmp_path))
     assert outcome["finished"]
     # the group shrank to 2 before the node came back, then grew to 3 (each attempt logs its world size once)
     assert outcome["world_sizes_before_add"] == [3, 2]

@@ -7,14 +7,11 @@ joins. Restart recovery's preemption is pinned by
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from scenarios.replica_preemption import DRAIN_AFTER, STEPS, replica_preemption_config
 
-from conftest import REPO, assert_resumed, events, expected_step_ids, scenario_outcome
+from conftest import assert_resumed, events, expected_step_ids, run_scenario
 from raytrain_ft.cli import main as cli
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.run_folder import replica_final_file
@@ -23,15 +20,7 @@ from raytrain_ft.run_folder import replica_final_file
 def test_a_drained_replica_leaves_at_a_step_boundary_and_is_replaced_without_a_restart_or_a_lost_step(
     tmp_path, dataset, capsys
 ):
-    r = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tests", "scenarios", "replica_preemption.py"), dataset, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
-    outcome = scenario_outcome(r.stdout)
+    outcome = run_scenario("replica_preemption.py", dataset, str(tmp_path))
     assert outcome["finished"]
     cfg, run_id = replica_preemption_config(dataset, str(tmp_path)), outcome["run_id"]
     uri = cfg.tracking.uri

@@ -5,33 +5,15 @@ nothing lost; one real-Ray run per recovery mode, sharing `assert_excluded`. The
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 from scenarios.straggler_exclusion import EXCLUDE_AFTER, STEPS, exclusion_config
 
-from conftest import REPO, assert_resumed, events, expected_step_ids, scenario_outcome
+from conftest import assert_resumed, events, expected_step_ids, run_scenario
 from raytrain_ft.data.audit import read_audit
 
 
-def run_scenario(mode: str, dataset: str, tmp_path) -> dict:
-    r = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(REPO, "tests", "scenarios", "straggler_exclusion.py"),
-            mode,
-            dataset,
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
-    outcome = scenario_outcome(r.stdout)
-    assert outcome["finished"], r.stderr[-4000:]
+def excluded_run(mode: str, dataset: str, tmp_path) -> dict:
+    outcome = run_scenario("straggler_exclusion.py", mode, dataset, str(tmp_path))
+    assert outcome["finished"]
     return outcome
 
 
@@ -59,7 +41,7 @@ def assert_excluded(mode: str, outcome: dict, dataset: str, tmp_path) -> tuple[d
 
 
 def test_restart_mode_ends_the_attempt_at_the_exclusion_step_and_resumes_without_the_slow_node(tmp_path, dataset):
-    outcome = run_scenario("restart", dataset, tmp_path)
+    outcome = excluded_run("restart", dataset, tmp_path)
     excluded, step = assert_excluded("restart", outcome, dataset, tmp_path)
     cfg = exclusion_config("restart", dataset, str(tmp_path))
     # the exclusion is no failure: the attempt ended with step `step` committed and the next one
@@ -72,7 +54,7 @@ def test_restart_mode_ends_the_attempt_at_the_exclusion_step_and_resumes_without
 
 
 def test_replica_mode_replaces_the_slow_replica_after_it_left_the_quorum_at_a_step_boundary(tmp_path, dataset):
-    outcome = run_scenario("replica", dataset, tmp_path)
+    outcome = excluded_run("replica", dataset, tmp_path)
     excluded, step = assert_excluded("replica", outcome, dataset, tmp_path)
     cfg = exclusion_config("replica", dataset, str(tmp_path))
     uri, run_id = cfg.tracking.uri, outcome["run_id"]

@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 from ray.train import WorkerGroupError
 from ray.train.v2._internal.execution.controller.state import RestartingState, RunningState
 
-from conftest import REPO, events, make_config, run_root, scenario_outcome, sqlite_store, wait_for
+from conftest import REPO, events, make_config, run_root, run_scenario, sqlite_store, wait_for
 from local_run import local_run
 from raytrain_ft.cli import main
 from raytrain_ft.errors import ConfigError
@@ -56,15 +56,7 @@ def test_a_relative_path_inside_rays_working_dir_copy_is_refused_in_one_line(tmp
 
 
 def test_without_a_uri_every_node_reaches_the_tracking_server(tmp_path):
-    r = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tests", "scenarios", "tracking_cluster.py"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
-    outcome = scenario_outcome(r.stdout)
+    outcome = run_scenario("tracking_cluster.py", str(tmp_path), timeout_s=600)
     # an mlflow server on the head's cluster-internal address, not a per-node SQLite path
     assert outcome["uri"].startswith(f"http://{outcome['head_address']}:")
     assert outcome["head_address"] not in ("0.0.0.0", "")
