@@ -1,7 +1,7 @@
 """`straggler.action: exclude` on a `ray.cluster_utils.Cluster` (`tests/scenarios/straggler_exclusion.py`):
 rank 1 is slow, flagged, and excluded `EXCLUDE_AFTER` steps after its flag, at a step boundary, with
 nothing lost; one real-Ray run per recovery mode, sharing `assert_excluded`. The decisions themselves
-(when a rank is excluded, the next group's scaling) are tests/unit/test_straggler_exclusion.py."""
+(when a rank is excluded, the next group's scaling) are tests/unit/test_exclusion_decisions.py."""
 
 from __future__ import annotations
 
