@@ -36,7 +36,8 @@ def test_history_of_an_unknown_run_is_one_line_naming_the_store(tmp_path, monkey
     assert main(["history", "unknown"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err
-    assert err.startswith(f"error: no MLflow run named or with id 'unknown' in {uri}; check the name")
+    assert err.startswith(f"error: no run 'unknown': not a run folder, nor an MLflow run id or run name in {uri}")
+    assert "raytrain-ft runs" in err and "--tracking-uri" in err  # how to fix it
 
 
 def test_a_relative_path_inside_rays_working_dir_copy_is_refused_in_one_line(tmp_path, monkeypatch):
