@@ -51,6 +51,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(autouse=True)
+def managers(monkeypatch):
+    """Every Manager a test builds is shut down at its end, waiting for its threads (checkpoint
+    transport, executor) and closing its process group: Managers left running accumulate threads in
+    the one pytest process, and a suite that ran them all crashed natively in this file."""
+    built: list[Replicas] = []
+    init = Replicas.__init__
+
+    def register(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(Replicas, "__init__", register)
+    yield
+    for r in built:
+        r.manager.shutdown(wait=True)  # again after a test's own shutdown(wait=False): it only waits
+        r.manager._pg.shutdown()
+
+
 @pytest.fixture
 def lighthouse(monkeypatch):
     """A lighthouse; `replica_store()` points the next Manager at a replica group store of its own
@@ -239,8 +258,6 @@ def test_a_replica_that_joins_late_heals_from_its_peer_and_both_stay_bitwise_equ
         {"kind": "replica_joined", "replica": 1, "step": first, "participants": 2},
     ]
     assert a.recorder.events == []  # a survivor's steps that commit record no replica event
-    for r in (a, b):
-        r.replicas.manager.shutdown(wait=False)
 
 
 def flat(state: TrainState, key: str):
@@ -288,7 +305,6 @@ def test_a_step_whose_peer_dies_in_the_all_reduce_does_not_commit_and_is_trained
     a.step()  # the same step again, alone, from the same data position
     assert a.participants[-1] == 1 and a.progress.step == before[0] + 1
     assert a.position == DataPosition(0, before[1].consumed + 4)
-    a.replicas.manager.shutdown(wait=False)
 
 
 def test_a_skip_judged_by_one_replica_is_every_replicas_skip(lighthouse, process_group):
@@ -310,8 +326,6 @@ def test_a_skip_judged_by_one_replica_is_every_replicas_skip(lighthouse, process
     for key in (KEY_MODEL, KEY_OPTIM):
         ours, theirs = dict(flat(a.state, key)), dict(flat(b.state, key))
         assert ours and all(torch.equal(ours[k], theirs[k]) for k in ours), key
-    for r in (a, b):
-        r.replicas.manager.shutdown(wait=False)
 
 
 def test_a_replica_whose_node_is_drained_leaves_after_a_committed_step_and_its_peer_loses_no_step(
@@ -335,7 +349,6 @@ def test_a_replica_whose_node_is_drained_leaves_after_a_committed_step_and_its_p
     assert a.participants == [2, 2, 2, 1, 1, 1] and a.progress.step == 6
     assert a.position == DataPosition(0, 24)
     assert not [e for e in a.recorder.events if e["kind"] == "step_not_committed"]
-    a.replicas.manager.shutdown(wait=False)
 
 
 def test_the_saver_checkpoints_before_leaving_only_when_every_replica_is_drained(lighthouse, process_group):
@@ -347,8 +360,6 @@ def test_the_saver_checkpoints_before_leaving_only_when_every_replica_is_drained
     saver, other = (a, b) if a.replicas.saves else (b, a)
     assert saver.replicas.saves_before_leaving(2) and not saver.replicas.saves_before_leaving(1)
     assert not other.replicas.saves_before_leaving(2)
-    for r in (a, b):
-        r.replicas.manager.shutdown(wait=False)
 
 
 def train_together(replicas: tuple, until: int) -> list:
@@ -388,8 +399,6 @@ def test_the_fingerprint_after_a_heal_compares_the_healed_replica_with_its_peer_
         assert all(len(rows) == 2 and rows[0] == rows[1] for _, rows in together), together
     assert a.fingerprints[-1] == b.fingerprints[-1]
     assert not [e for r in (a, b) for e in r.recorder.events if e["kind"] == "replica_mismatch"]
-    for r in (a, b):
-        r.replicas.manager.shutdown(wait=False)
 
 
 def test_a_bit_flipped_in_one_replica_is_caught_by_the_fingerprint_on_both_replicas(lighthouse, process_group):
@@ -417,8 +426,6 @@ def test_a_bit_flipped_in_one_replica_is_caught_by_the_fingerprint_on_both_repli
     assert rows_a == rows_b and len(rows_a) == 2 and rows_a[0][1] != rows_a[1][1]
     events = [e for r in (a, b) for e in r.recorder.events if e["kind"] == "replica_mismatch"]
     assert events == [{"kind": "replica_mismatch", "step": 6, "shard_checksum_by_rank": rows_a}]
-    for r in (a, b):
-        r.replicas.manager.shutdown(wait=False)
 
 
 def test_the_saver_saves_only_after_a_fingerprint_across_the_replicas_at_that_step(lighthouse, process_group):
@@ -445,8 +452,6 @@ def test_the_saver_saves_only_after_a_fingerprint_across_the_replicas_at_that_st
     assert all(isinstance(e, ReplicaMismatchError) and str(e).startswith("step 6: replica_mismatch") for e in raised)
     assert [s for s, _ in a.fingerprints] == [s for s, _ in b.fingerprints] == [3, 6]
     assert sorted(a.saved + b.saved) == [3]
-    for r in (a, b):
-        r.replicas.manager.shutdown(wait=False)
 
 
 def test_a_tenfold_loss_on_one_replica_is_a_rank_spread_alert_on_both(lighthouse, process_group):
@@ -464,8 +469,6 @@ def test_a_tenfold_loss_on_one_replica_is_a_rank_spread_alert_on_both(lighthouse
     events = [e for r in (a, b) for e in r.recorder.events if e["kind"] == "rank_spread"]
     assert len(events) == 1 and events[0]["step"] == 4
     assert sorted(events[0]["loss_grad_norm_by_rank"]) == [[1.0, 1.0], [10.0, 1.0]]
-    for r in (a, b):
-        r.replicas.manager.shutdown(wait=False)
 
 
 def test_of_three_replicas_one_dies_in_the_all_reduce_and_the_two_survivors_train_its_step_over_the_whole_batch(
@@ -505,5 +508,3 @@ def test_of_three_replicas_one_dies_in_the_all_reduce_and_the_two_survivors_trai
     for key in (KEY_MODEL, KEY_OPTIM):
         ours, theirs = dict(flat(a.state, key)), dict(flat(b.state, key))
         assert ours and all(torch.equal(ours[k], theirs[k]) for k in ours), key
-    for r in (a, b):
-        r.replicas.manager.shutdown(wait=False)
