@@ -1,11 +1,14 @@
-"""Steps/s of the full training step (guards, MLflow, a fingerprint interval and a save) against the bare DDP step.
+"""Steps/s of the full training step (guards, straggler timing, MLflow, fingerprints, a save) against the bare DDP step.
 
 Two gloo ranks (torch.multiprocessing, no Ray: `raytrain_ft.local_session.LocalSession`), the
 `small` preset on the stdlib corpus (prepared into data/stdlib if missing). Each rank builds one
 `Trainer`. A round runs `--steps` bare steps (forward/backward, clip, AdamW; nothing else) and
 `--steps` full steps (`Trainer.step`: spike guard and its all-reduce, rank check every 10 steps, a
-replica fingerprint every 5, MLflow metrics every step, and one asynchronous checkpoint per round,
-started at the round's first full step, whose write must finish inside the round). The order of
+replica fingerprint every 5, the straggler detector's compute timer and judgement, MLflow metrics
+every step, and, with `--saves-per-round 1` (the default), one asynchronous checkpoint per round,
+started at the round's first full step, whose write must finish inside the round; with 0 no save,
+so the ratio is the guards' and the straggler measurement's alone, the checkpoint's own cost being
+`checkpoint_stall.py`'s). The order of
 the two variants is drawn per round (seeded), so neither always runs first on a warm or a cold
 machine. Each round gives one paired ratio (full / bare steps/s); rounds continue until the 95 %
 confidence half-width of the mean ratio (Student t) is below `--resolve` (0.01) or `--max-rounds`.
@@ -53,7 +56,8 @@ def worker(rank: int, args, cfg, uri: str, run_id: str, store: str, out: str) ->
     t.begin()
     for _ in range(args.steps - 1):  # warm-up, and the next full round starts at a checkpoint step
         t.step()
-    t.after_commit(t.checkpointer.wait())
+    if args.saves_per_round:
+        t.after_commit(t.checkpointer.wait())
 
     rng = random.Random(0)  # the same draws on both ranks
     rounds, stop = [], torch.zeros(1)
@@ -66,7 +70,7 @@ def worker(rank: int, args, cfg, uri: str, run_id: str, store: str, out: str) ->
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 runner()
-            if name == "full":
+            if name == "full" and args.saves_per_round:
                 t.after_commit(t.checkpointer.wait())  # the round's save is charged to its round, never to the next
             dist.barrier()
             steps_per_s[name] = args.steps / (time.perf_counter() - t0)
@@ -93,6 +97,7 @@ def main() -> None:
     p.add_argument("--min-rounds", type=int, default=10)
     p.add_argument("--max-rounds", type=int, default=60)
     p.add_argument("--resolve", type=float, default=0.01, help="stop once the ratio's 95%% half-width is below this")
+    p.add_argument("--saves-per-round", type=int, choices=(0, 1), default=1, help="0: no checkpoint in the rounds")
     p.add_argument("--data", default="data/stdlib")
     p.add_argument("--out", default=default_out("guard_overhead"))
     args = p.parse_args()
@@ -108,7 +113,7 @@ def main() -> None:
             "train.global_batch_size=4",
             "train.micro_batch_size=2",
             "train.max_steps=100000",
-            f"checkpoint.interval_steps={args.steps}",
+            f"checkpoint.interval_steps={args.steps if args.saves_per_round else 10**9}",
             "guards.fingerprint.interval_steps=5",
         ],
     )
@@ -126,7 +131,7 @@ def main() -> None:
         "seq_len": 256,
         "steps_per_round": args.steps,
         "rounds": len(rounds),
-        "saves_per_round": 1,
+        "saves_per_round": args.saves_per_round,
         "fingerprint_interval_steps": 5,
         "bare_steps_per_s": statistics.median(r["bare"] for r in rounds),
         "full_steps_per_s": statistics.median(r["full"] for r in rounds),

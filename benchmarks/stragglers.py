@@ -1,19 +1,25 @@
 """Stragglers on the whole loop: the healthy noise of the ranks' figures, false flags, detection
 delay, and steps/s under each `straggler.action` against a healthy run.
 
-Three gloo ranks on the Ray-free session (`tests/local_run.py`), the `tiny` preset on the stdlib
-corpus (prepared into a scratch folder as the tests' `dataset`, or `--data`), the runs one after
-the other (`RUNS`: one row each, a new action is one more row): `healthy` (G=12: 4/4/4 sequences,
-`--healthy-steps`), `uneven` (G=8: 2/3/3), and, with rank 1 at factor 2 from step 11 (a `slow`
-fault), `warn` and `rebalance` (`--steps` each). From each run's MLflow metrics
-(`train/compute_s_per_seq_rank<r>`) and events: each rank's slowness (`straggler.slowness`, at the
-run's shares; percentiles over the healthy runs' steps), the `straggler` events (a flag in a healthy
-run is a false flag), the delay from the fault's first step to the flag, and steps/s (1 / median
-`train/step_time_s` after step 31; rank 0's step waits for the slowest rank) against the healthy
-run, with the factor-2 bounds of an unmitigated straggler (1/F of healthy) and of a perfect
-rebalance ((W - 1 + 1/F) / W of healthy steps/s, i.e. a step W / (W - 1 + 1/F) x as long).
-`timer_cost`: the straggler measurement's own cost (`ComputeTimer`: a hook per parameter), the
-tiny model's forward/backward in this process with and without it.
+Three gloo ranks on the Ray-free session (`tests/local_run.py`), the `tiny` preset at seq_len 128
+on the stdlib corpus (prepared into a scratch folder, or `--data`), `micro_batch_size` = the global
+batch (one pass per step on every rank whatever the split, so a rank's step costs what its share of
+sequences costs: at seq_len 128 the per-sequence part dominates, as on a large model; at seq_len
+32 a pass costs the same for 1 to 8 sequences and rebalancing could buy nothing), the runs one after
+the other (`RUNS`: one row each): `healthy` (G=12: 4/4/4 sequences, `--healthy-steps`), `uneven`
+(G=8: 2/3/3), and, with rank 1 at factor 2 from step 11 (a `slow` fault), `warn` and `rebalance`
+(`--steps` each); `exclude`: what training runs at after the exclusion, the same G on W - 1 = 2
+healthy ranks (the exclusion's restart through the Ray driver, which this Ray-free script does
+not run, is tests/test_straggler_exclusion.py's, and a restart's cost is the goodput benchmark's).
+From each run's MLflow metrics (`train/compute_s_per_seq_rank<r>`) and events: each rank's
+slowness (`straggler.slowness`, at the run's shares; percentiles over the healthy runs' steps), the
+`straggler` events (a flag in a healthy run is a false flag), the delay from the fault's first step
+to the flag, and steps/s (1 / median `train/step_time_s` after step 31; rank 0's step waits for the
+slowest rank) against the healthy run, with the factor-2 bounds of an unmitigated straggler (1/F of
+healthy), of a perfect rebalance ((W - 1 + 1/F) / W of healthy steps/s, i.e. a step W / (W - 1 +
+1/F) x as long) and of an exclusion ((W - 1) / W). `timer_cost`: the straggler measurement's own
+cost (`ComputeTimer`: a hook per parameter), the tiny model's forward/backward in this process
+with and without it.
 
 Prints JSON and writes benchmarks/results/stragglers.json.
 """
@@ -42,14 +48,15 @@ from raytrain_ft.resilience.straggler import ComputeTimer, slowness  # noqa: E40
 from raytrain_ft.telemetry.tracking import MlflowRecorder  # noqa: E402
 from report import default_out, report, scratch  # noqa: E402
 
-W, F, SLOW_FROM, STEADY_FROM = 3, 2.0, 11, 31
+W, F, SLOW_FROM, STEADY_FROM, SEQ_LEN = 3, 2.0, 11, 31, 128
 SLOW = f"faults=[{{kind: slow, rank: 1, factor: {F}, step: {SLOW_FROM}, steps: 100000}}]"
-# name: (global_batch_size, slow rank, overrides)
+# name: (global_batch_size, world_size, slow rank, overrides)
 RUNS = {
-    "healthy": (12, False, ()),
-    "uneven": (8, False, ()),
-    "warn": (12, True, (SLOW,)),
-    "rebalance": (12, True, (SLOW, "straggler.action=rebalance")),
+    "healthy": (12, W, False, ()),
+    "uneven": (8, W, False, ()),
+    "warn": (12, W, True, (SLOW,)),
+    "rebalance": (12, W, True, (SLOW, "straggler.action=rebalance")),
+    "exclude": (12, W - 1, False, ()),
 }
 
 
@@ -57,7 +64,7 @@ def metric(client: MlflowClient, run_id: str, key: str) -> dict[int, float]:
     return {m.step: m.value for m in client.get_metric_history(run_id, key)}
 
 
-def measure(root: str, data: str, name: str, steps: int, g: int, *overrides: str) -> dict:
+def measure(root: str, data: str, name: str, steps: int, g: int, world: int, *overrides: str) -> dict:
     uri = f"sqlite:///{root}/{name}.db"
     cfg = load_config(
         None,
@@ -68,18 +75,18 @@ def measure(root: str, data: str, name: str, steps: int, g: int, *overrides: str
             f"data.path={data}",
             "model.preset=tiny",
             "model.dropout=0.0",
-            "train.micro_batch_size=2",
+            f"train.micro_batch_size={g}",
             f"train.max_steps={steps}",
             f"checkpoint.interval_steps={steps}",
-            f"scaling.num_workers={W}",
+            f"scaling.num_workers={world}",
             f"train.global_batch_size={g}",
             *overrides,
         ],
     )
     run_id = local_run(cfg)
     client = MlflowClient(uri)
-    figures = [metric(client, run_id, f"train/compute_s_per_seq_rank{r}") for r in range(W)]
-    shares = BatchPlan(g, 2, W).shares  # the healthy runs' (the slow runs' ratios are not pooled)
+    figures = [metric(client, run_id, f"train/compute_s_per_seq_rank{r}") for r in range(world)]
+    shares = BatchPlan(g, g, world).shares  # the healthy runs' (the slow runs' ratios are not pooled)
     ratios = [slowness([f[s] for f in figures], shares) for s in sorted(figures[0])]
     step_time = metric(client, run_id, "train/step_time_s")
     flags = [e for e in MlflowRecorder(uri, run_id).events() if e["kind"] == "straggler"]
@@ -96,11 +103,11 @@ def percentile(values: list[float], q: float) -> float:
 
 def timer_cost(passes: int = 300) -> float:
     """Seconds per forward/backward pass with `ComputeTimer` over without it (tiny model, one
-    thread, 2 sequences of 32 tokens; alternating, medians)."""
+    thread, 2 sequences of SEQ_LEN tokens; alternating, medians)."""
     torch.set_num_threads(1)
-    timed, bare = build_model("tiny", 512, 32, 0.0), build_model("tiny", 512, 32, 0.0)
+    timed, bare = build_model("tiny", 512, SEQ_LEN, 0.0), build_model("tiny", 512, SEQ_LEN, 0.0)
     timer = ComputeTimer(timed, torch.device("cpu"))
-    tokens = torch.randint(0, 512, (2, 33))
+    tokens = torch.randint(0, 512, (2, SEQ_LEN + 1))
     out: dict[str, list[float]] = {"timed": [], "bare": []}
     runs = [("timed", timed, timer), ("bare", bare, contextlib.nullcontext())]
     for i in range(passes):
@@ -122,11 +129,11 @@ def main() -> None:
     root = scratch("stragglers-")
     data = args.data or os.path.join(root, "data")
     if not args.data:
-        settings = PrepareSettings(seq_len=32, vocab_size=512, rows_per_row_group=2, validation_fraction=0.0)
+        settings = PrepareSettings(seq_len=SEQ_LEN, vocab_size=512, rows_per_row_group=2, validation_fraction=0.0)
         prepare(os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py"), data, settings)
     runs = {
-        name: measure(root, data, name, args.healthy_steps if name == "healthy" else args.steps, g, *overrides)
-        for name, (g, _, overrides) in RUNS.items()
+        name: measure(root, data, name, args.healthy_steps if name == "healthy" else args.steps, g, world, *overrides)
+        for name, (g, world, _, overrides) in RUNS.items()
     }
     healthy_ratios = [x for name in ("healthy", "uneven") for row in runs[name]["ratios"] for x in row]
     uneven_small = [row[0] for row in runs["uneven"]["ratios"]]  # rank 0 trains 2 of the 8 sequences
@@ -149,9 +156,10 @@ def main() -> None:
         "steps_per_s_healthy": healthy_sps,
         "bound_unmitigated": 1 / F,
         "bound_rebalanced": (W - 1 + 1 / F) / W,
+        "bound_excluded": (W - 1) / W,
         "timer_cost": timer_cost(),
     }
-    for name, (_, slow, _) in RUNS.items():
+    for name, (_, _, slow, _) in RUNS.items():
         if slow:
             flags = runs[name]["flags"]
             result[name] = {
@@ -162,6 +170,12 @@ def main() -> None:
                 "vs_healthy": runs[name]["steps_per_s"] / healthy_sps,
                 "vs_rebalance_bound": runs[name]["steps_per_s"] / healthy_sps / result["bound_rebalanced"],
             }
+    result["exclude"] = {
+        "steps_per_s": runs["exclude"]["steps_per_s"],
+        "vs_healthy": runs["exclude"]["steps_per_s"] / healthy_sps,
+        "vs_exclude_bound": runs["exclude"]["steps_per_s"] / healthy_sps / result["bound_excluded"],
+        "false_flags": len(runs["exclude"]["flags"]),
+    }
     report(result, args.out)
 
 

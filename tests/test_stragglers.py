@@ -9,7 +9,6 @@ from __future__ import annotations
 import shutil
 
 import numpy as np
-import pytest
 import torch
 
 from conftest import (
@@ -63,11 +62,6 @@ REBALANCE = (
 )
 
 
-@pytest.mark.skip(
-    reason="known defect: the split moved at step 11, moved back at step 14 (the detector's "
-    "recovery counts the window's fast steps from before the flag, and the rebalanced rank is judged at the bound of "
-    "its lone share) and moved again at step 22: two straggler events, not one",
-)
 def test_rebalance_moves_sequences_off_the_slow_rank_keeps_the_math_and_resumes_bitwise(tmp_path, dataset):
     # factor 3: the fault's sleep follows the rank's measured compute of a few ms, and under load the
     # factor-2 rank measured 1.3-1.6x for its first steps (flagged at step 23 of 24)

@@ -20,10 +20,11 @@ position. After a resume with a split in force the detector's window is empty (i
 checkpointed: timing); the ranks the split favours against are seeded as flagged (factor from their
 share), so the same split stays until the detector sees them fast in k of n steps (recovery).
 
-Limit: a rebalanced straggler trains a share no other rank has, so it is judged against the upper
-bound of the others' cost at its share (`straggler.predicted_s`); where the cost is per sequence (a
-large model) and the split is balanced it is seen at ~1, i.e. recovered, and the split moves back
-and is flagged again k steps later (about every 2 x window steps, between them it runs balanced).
+A rebalanced straggler trains a share no other rank has: its recovery is judged against the lower
+bound of the others' cost at its share (`StragglerDetector`), so a balanced split (where the cost is
+per sequence it then takes as long as the others) does not read as recovered; where the cost is per
+pass, a recovered rank keeps its smaller share, a limit that costs the others only their extra
+sequences' cheap part.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class Rebalance(StepHook):
         split, even = self.position.split, self.g / max(len(self.position.split), 1)
         for r, n in enumerate(split):
             if n < even:
-                self.detector.flagged.setdefault(r, Straggler(r, even / n, step))
+                self.detector.assume(Straggler(r, even / n, step), step - 1)
         self.ranks = frozenset(self.detector.flagged)
 
     def after_optimizer_step(self, result: StepResult) -> None:

@@ -33,7 +33,8 @@ step waits for it in the gradient all-reduce. Three parts, each rank running all
   the price of not knowing a and b.
 * `StragglerDetector` (pure, the same decision on every rank): a member is slow at a step when its
   compute exceeds `threshold` x that prediction; it is flagged when slow in
-  `min_slow_steps` (k) of the last `window` (n) steps, and recovered when fast in k of the last n.
+  `min_slow_steps` (k) of the last `window` (n) steps, and recovered when fast in k of the steps
+  after its flag, fast judged against the others' lower-bound prediction (`StragglerDetector`).
 
 Defaults (`raytrain_ft.config.StragglerSection`: threshold 1.5, k = 6 of n = 10), from measured
 runs of the tests' tiny model (a few milliseconds of compute per sequence) at 3 ranks on the 2-core
@@ -107,15 +108,16 @@ class ComputeTimer:
             self.seconds = (self.ready if self.ready > self.started else time.perf_counter()) - self.started
 
 
-def predicted_s(others: Sequence[tuple[int, float]], share: int) -> float:
+def predicted_s(others: Sequence[tuple[int, float]], share: int, bound: str = "upper") -> float:
     """Compute seconds the `others` (`(share, seconds)` of the other members of the step, every one
     running the same passes) predict for a member of `share` sequences, under the cost model
     `seconds = a + b x share` (a >= 0: the fixed cost of the step's passes, the same on every member;
     b >= 0: per sequence); see the module doc. With two or more distinct shares among the others, a
     and b are fitted (least squares through the median of each share); with one, the model is not
-    identifiable and the prediction is the model's upper bound at `share` (their median when shares
-    are equal; `median x max(1, share / theirs)` otherwise), so the ratio to it never exceeds the
-    true slowness. 0.0 when the others measured nothing."""
+    identifiable and the prediction is the model's `bound` at `share`: "upper" (their median when
+    shares are equal; `median x max(1, share / theirs)` otherwise: the ratio to it never exceeds the
+    true slowness, for flagging) or "lower" (`median x min(1, share / theirs)`: the ratio to it never
+    falls below the true slowness, for recovery). 0.0 when the others measured nothing."""
     by_share: dict[int, list[float]] = {}
     for n, t in others:
         by_share.setdefault(n, []).append(t)
@@ -124,7 +126,7 @@ def predicted_s(others: Sequence[tuple[int, float]], share: int) -> float:
         return 0.0
     if len(points) == 1:
         n0, t0 = points[0]
-        return t0 * max(1.0, share / n0)
+        return t0 * (max if bound == "upper" else min)(1.0, share / n0)
     mean_n = statistics.fmean(n for n, _ in points)
     mean_t = statistics.fmean(t for _, t in points)
     b = sum((n - mean_n) * (t - mean_t) for n, t in points) / sum((n - mean_n) ** 2 for n, _ in points)
@@ -132,17 +134,16 @@ def predicted_s(others: Sequence[tuple[int, float]], share: int) -> float:
     return mean_t - b * mean_n + b * share
 
 
-def slowness(per_sequence_s: Sequence[float], shares: Sequence[int] = ()) -> list[float]:
+def slowness(per_sequence_s: Sequence[float], shares: Sequence[int] = (), bound: str = "upper") -> list[float]:
     """Each member's compute seconds of the step over what the other members' figures predict for
-    its share (`predicted_s`); `per_sequence_s` and `shares` (sequences per member, default all
-    equal) in the split's rank order. 1.0 alone or when the others measured nothing."""
+    its share (`predicted_s` at `bound`); `per_sequence_s` and `shares` (sequences per member,
+    default all equal) in the split's rank order. 1.0 alone or when the others measured nothing."""
     shares = list(shares) or [1] * len(per_sequence_s)
     step_s = [t * n for t, n in zip(per_sequence_s, shares, strict=True)]
     out = []
     for r, t in enumerate(step_s):
-        predicted = predicted_s(
-            [(n, x) for i, (n, x) in enumerate(zip(shares, step_s, strict=True)) if i != r], shares[r]
-        )
+        others = [(n, x) for i, (n, x) in enumerate(zip(shares, step_s, strict=True)) if i != r]
+        predicted = predicted_s(others, shares[r], bound)
         out.append(t / predicted if predicted > 0 else 1.0)
     return out
 
@@ -159,7 +160,19 @@ class Straggler:
 
 
 class StragglerDetector:
-    """Flags members slow in `min_slow_steps` of the last `window` steps (module doc); pure.
+    """Flags members slow in `min_slow_steps` (k) of the last `window` (n) steps, and recovers a
+    flagged member when fast in k of the steps judged after its flag (module doc); pure.
+
+    Slow: its compute over the others' upper-bound prediction for its share exceeds `threshold`
+    (`slowness(bound="upper")`: an uneven split is never a straggler). Fast, for recovery: its
+    compute over their lower-bound prediction is at most `threshold` (`bound="lower"`): a rebalanced
+    straggler trains a share no other member has, and where the cost is per sequence a balanced
+    split makes it take as long as the others; judged at the upper bound it would read as
+    recovered, the split would move back and it would be flagged again k steps later. The price:
+    where the cost is per pass (a small model), a recovered member at a smaller share still reads
+    slow and keeps its smaller share, which on such a model costs the others little (their extra
+    sequences are the cheap part). Only steps after the flag count, so a flag from k slow steps of
+    n is not undone by the n - k fast ones before it.
 
     Raises:
         ValueError: not 1 <= min_slow_steps <= window, or threshold <= 1.
@@ -169,8 +182,14 @@ class StragglerDetector:
         if not 1 <= min_slow_steps <= window or not threshold > 1:
             raise ValueError(f"need threshold > 1 and 1 <= min_slow_steps ({min_slow_steps}) <= window ({window})")
         self.threshold, self.window, self.min_slow = threshold, window, min_slow_steps
-        self.judged: deque[tuple[int, list[float]]] = deque(maxlen=window)  # (step, slowness per member)
+        # (step, slowness per member at the upper bound, at the lower bound)
+        self.judged: deque[tuple[int, list[float], list[float]]] = deque(maxlen=window)
         self.flagged: dict[int, Straggler] = {}
+        self.flagged_at: dict[int, int] = {}  # rank -> the step it was flagged at (or assumed from)
+
+    def assume(self, straggler: Straggler, step: int) -> None:
+        """Treat `straggler` as flagged from `step` on (a resume with a split in force: `Rebalance`)."""
+        self.flagged[straggler.rank], self.flagged_at[straggler.rank] = straggler, step
 
     def observe(
         self, step: int, per_sequence_s: Sequence[float], shares: Sequence[int] = ()
@@ -182,14 +201,18 @@ class StragglerDetector:
         if self.judged and len(self.judged[-1][1]) != len(per_sequence_s):
             self.judged.clear()
             self.flagged.clear()
-        self.judged.append((step, slowness(per_sequence_s, shares)))
+            self.flagged_at.clear()
+        upper, lower = (slowness(per_sequence_s, shares, bound) for bound in ("upper", "lower"))
+        self.judged.append((step, upper, lower))
         flagged, recovered = [], []
         for r in range(len(per_sequence_s)):
-            slow = [(s, x[r]) for s, x in self.judged if x[r] > self.threshold]
-            if r not in self.flagged and len(slow) >= self.min_slow:
-                self.flagged[r] = Straggler(r, statistics.fmean(x for _, x in slow), slow[0][0])
-                flagged.append(self.flagged[r])
-            elif r in self.flagged and len(self.judged) - len(slow) >= self.min_slow:
+            if r not in self.flagged:
+                slow = [(s, x[r]) for s, x, _ in self.judged if x[r] > self.threshold]
+                if len(slow) >= self.min_slow:
+                    self.assume(Straggler(r, statistics.fmean(x for _, x in slow), slow[0][0]), step)
+                    flagged.append(self.flagged[r])
+            elif sum(s > self.flagged_at[r] and y[r] <= self.threshold for s, _, y in self.judged) >= self.min_slow:
+                del self.flagged_at[r]
                 recovered.append(self.flagged.pop(r))
         return flagged, recovered
 

@@ -66,13 +66,17 @@ def test_the_split_moves_at_a_flag_moves_back_at_recovery_and_survives_a_resume(
     assert step(1, 2.0, (4, 4, 4)) == ()
     assert step(2, 2.0, (4, 4, 4)) == (5, 2, 5)  # flagged at 2 (slow in 2 of 3): the next step trains 5/2/5
     assert step(3, 2.0, (5, 2, 5)) == (5, 2, 5)  # still flagged: the split stays
+    # balanced: its 2 sequences take as long as the others' 5 (a per-sequence cost, still 2.5x slow);
+    # judged at the upper bound of its lone share this read as recovered and the split moved back
+    assert [step(s, 1.0, (5, 2, 5)) for s in (4, 5, 6)] == [(5, 2, 5)] * 3
     resumed_detector, resumed_position = StragglerDetector(1.5, 3, 2), DataPosition()
     resumed_position.load_state_dict(position.state_dict())
     resumed = Rebalance(resumed_detector, resumed_position, 12, enabled=True)
-    resumed.before_step(4)
+    resumed.before_step(7)
     assert set(resumed_detector.flagged) == {1} and resumed_position.split == (5, 2, 5)
-    assert step(4, 0.4, (5, 2, 5)) == (5, 2, 5)  # fast once (0.4 s for 2 sequences): not yet recovered
-    assert step(5, 0.4, (5, 2, 5)) == ()  # fast in 2 of 3: recovered, back to the even rule
+    assert resumed_detector.flagged_at == {1: 6}  # recovery counts the attempt's steps from 7 on
+    assert step(7, 0.4, (5, 2, 5)) == (5, 2, 5)  # fast once (0.4 s for 2 sequences): not yet recovered
+    assert step(8, 0.4, (5, 2, 5)) == ()  # fast in 2 steps after the flag: recovered, the even rule
     off = Rebalance(StragglerDetector(1.5, 3, 1), DataPosition(), 12, enabled=False)
     off.detector.observe(1, [1.0, 3.0, 1.0])
     off.after_optimizer_step(StepResult(1, 0.0, 0.0, False, None, 0.0, compute_s_per_seq=(1.0, 3.0, 1.0)))

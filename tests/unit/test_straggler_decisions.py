@@ -32,6 +32,32 @@ def test_a_rank_is_flagged_only_when_slow_in_k_of_the_last_n_steps_and_recovers_
     assert detector.flagged == {}
 
 
+def test_recovery_counts_only_the_steps_after_the_flag():
+    detector = StragglerDetector(threshold=1.5, window=10, min_slow_steps=3)
+    healthy, slow = [1.0, 1.0, 1.0], [1.0, 1.0, 2.0]
+    for s in range(1, 8):
+        detector.observe(s, healthy)
+    assert detector.observe(8, slow) == detector.observe(9, slow) == ([], [])
+    assert detector.observe(10, slow)[0] == [Straggler(2, 2.0, 8)]
+    # the window still holds 7 fast steps from before the flag: they do not undo it
+    assert detector.observe(11, healthy) == detector.observe(12, healthy) == ([], [])
+    assert [r.rank for r in detector.observe(13, healthy)[1]] == [2]
+
+
+def test_recovery_at_a_lone_share_is_judged_against_the_lower_bound_of_the_others_cost():
+    # rank 0 trains 2 sequences, the others 5: a + b x share with one share among the others is
+    # bounded by [t x 2/5, t]; recovery needs its step at most threshold x the lower bound
+    assert predicted_s([(5, 1.0), (5, 1.0)], 2, "lower") == pytest.approx(0.4)
+    assert slowness([1.0 / 2, 0.2, 0.2], [2, 5, 5], "lower")[0] == pytest.approx(2.5)
+    detector = StragglerDetector(threshold=1.5, window=4, min_slow_steps=2)
+    detector.assume(Straggler(0, 2.5, 1), 1)
+    balanced = [1.0 / 2, 1.0 / 5, 1.0 / 5]  # as long as the others: still slow where cost is per sequence
+    assert [detector.observe(s, balanced, [2, 5, 5]) for s in (2, 3, 4)] == [([], [])] * 3
+    recovered = [0.4 / 2, 1.0 / 5, 1.0 / 5]  # 2/5 of their time: what a healthy rank takes per sequence
+    assert detector.observe(5, recovered, [2, 5, 5]) == ([], [])
+    assert [r.rank for r in detector.observe(6, recovered, [2, 5, 5])[1]] == [0]
+
+
 def test_a_rank_with_a_smaller_share_is_judged_against_the_cost_the_others_predict_for_it():
     # the measured false flag: 2/3/3 sequences in the same 2 passes, the step's cost a fixed cost
     # per pass (tiny model): 0.112 / 0.1 / 0.1 s, i.e. 1.68x the others per sequence; not a straggler
