@@ -1,16 +1,21 @@
 """Stragglers on the whole loop: the healthy noise of the ranks' figures, false flags, detection
 delay, and steps/s under each `straggler.action` against a healthy run.
 
-Three gloo ranks on the Ray-free session (`tests/local_run.py`), the `tiny` preset at seq_len 128
-on the stdlib corpus (prepared into a scratch folder, or `--data`), `micro_batch_size` = the global
-batch (one pass per step on every rank whatever the split, so a rank's step costs what its share of
-sequences costs: at seq_len 128 the per-sequence part dominates, as on a large model; at seq_len
-32 a pass costs the same for 1 to 8 sequences and rebalancing could buy nothing), the runs one after
-the other (`RUNS`: one row each): `healthy` (G=12: 4/4/4 sequences, `--healthy-steps`), `uneven`
-(G=8: 2/3/3), and, with rank 1 at factor 2 from step 11 (a `slow` fault), `warn` and `rebalance`
-(`--steps` each); `exclude`: what training runs at after the exclusion, the same G on W - 1 = 2
-healthy ranks (the exclusion's restart through the Ray driver, which this Ray-free script does
-not run, is tests/test_straggler_exclusion.py's, and a restart's cost is the goodput benchmark's).
+`--world-size` W gloo ranks (default 3) on the Ray-free session (`tests/local_run.py`), the `tiny`
+preset at seq_len 128 on the stdlib corpus (prepared into a scratch folder, or `--data`),
+`micro_batch_size` = the global batch (one pass per step on every rank whatever the split, so a
+rank's step costs what its share of sequences costs: at seq_len 128 the per-sequence part
+dominates, as on a large model; at seq_len 32 a pass costs the same for 1 to 8 sequences and
+rebalancing could buy nothing), the runs one after the other (`runs_of`: one row each): `healthy`
+(G = `--global-batch-size`, `--healthy-steps`), `uneven` (G - W + 1: an uneven split), and, with
+rank 1 at factor 2 from step 11 (a `slow` fault), `warn` and `rebalance` (`--steps` each);
+`exclude`: what training runs at after the exclusion, the same G on W - 1 healthy ranks (the
+exclusion's restart through the Ray driver, which this Ray-free script does not run, is
+tests/test_straggler_exclusion.py's, and a restart's cost is the goodput benchmark's). Each rank
+needs a core of its own for the throughput rows to mean anything: the `slow` fault sleeps, and on
+fewer cores than ranks the sleeping rank frees a core for the others (on 2 cores at W=3 the
+factor-2 run kept 0.99 of healthy steps/s); the detection rows (noise, false flags, delay) hold
+either way.
 From each run's MLflow metrics (`train/compute_s_per_seq_rank<r>`) and events: each rank's
 slowness (`straggler.slowness`, at the run's shares; percentiles over the healthy runs' steps), the
 `straggler` events (a flag in a healthy run is a false flag), the delay from the fault's first step
@@ -42,22 +47,27 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from local_run import local_run  # noqa: E402  (the Ray-free session the tests use)
 from raytrain_ft.config import load_config  # noqa: E402
 from raytrain_ft.data.position import BatchPlan  # noqa: E402
-from raytrain_ft.data.prepare import PrepareSettings, prepare  # noqa: E402
+from raytrain_ft.data.prepare import PrepareSettings  # noqa: E402
+from raytrain_ft.launch.prepare import prepare  # noqa: E402
 from raytrain_ft.model.llama import build_model, lm_loss  # noqa: E402
 from raytrain_ft.resilience.straggler import ComputeTimer, slowness  # noqa: E402
 from raytrain_ft.telemetry.tracking import MlflowRecorder  # noqa: E402
 from report import default_out, report, scratch  # noqa: E402
 
-W, F, SLOW_FROM, STEADY_FROM, SEQ_LEN = 3, 2.0, 11, 31, 128
+F, SLOW_FROM, STEADY_FROM, SEQ_LEN = 2.0, 11, 31, 128
 SLOW = f"faults=[{{kind: slow, rank: 1, factor: {F}, step: {SLOW_FROM}, steps: 100000}}]"
-# name: (global_batch_size, world_size, slow rank, overrides)
-RUNS = {
-    "healthy": (12, W, False, ()),
-    "uneven": (8, W, False, ()),
-    "warn": (12, W, True, (SLOW,)),
-    "rebalance": (12, W, True, (SLOW, "straggler.action=rebalance")),
-    "exclude": (12, W - 1, False, ()),
-}
+
+
+def runs_of(w: int, g: int) -> dict[str, tuple[int, int, bool, tuple[str, ...]]]:
+    """name: (global_batch_size, world_size, slow rank, overrides) of each run at `w` ranks and
+    global batch `g` (a multiple of w); `uneven`'s batch g - w + 1 is not."""
+    return {
+        "healthy": (g, w, False, ()),
+        "uneven": (g - w + 1, w, False, ()),
+        "warn": (g, w, True, (SLOW,)),
+        "rebalance": (g, w, True, (SLOW, "straggler.action=rebalance")),
+        "exclude": (g, w - 1, False, ()),
+    }
 
 
 def metric(client: MlflowClient, run_id: str, key: str) -> dict[int, float]:
@@ -123,6 +133,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100, help="steps of the uneven and slow runs")
     parser.add_argument("--healthy-steps", type=int, default=500)
+    parser.add_argument("--world-size", type=int, default=3, help="ranks (W); each takes a core: W <= the cores")
+    parser.add_argument("--global-batch-size", type=int, default=12, help="G, a multiple of W")
     parser.add_argument("--out", default=default_out("stragglers"))
     parser.add_argument("--data", default="", help="a dataset prepared as the tests' (default: prepare one; Ray Data)")
     args = parser.parse_args()
@@ -131,16 +143,21 @@ def main() -> None:
     if not args.data:
         settings = PrepareSettings(seq_len=SEQ_LEN, vocab_size=512, rows_per_row_group=2, validation_fraction=0.0)
         prepare(os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py"), data, settings)
+    w, plan = args.world_size, runs_of(args.world_size, args.global_batch_size)
     runs = {
         name: measure(root, data, name, args.healthy_steps if name == "healthy" else args.steps, g, world, *overrides)
-        for name, (g, world, _, overrides) in RUNS.items()
+        for name, (g, world, _, overrides) in plan.items()
     }
     healthy_ratios = [x for name in ("healthy", "uneven") for row in runs[name]["ratios"] for x in row]
-    uneven_small = [row[0] for row in runs["uneven"]["ratios"]]  # rank 0 trains 2 of the 8 sequences
+    shares = BatchPlan(plan["uneven"][0], plan["uneven"][0], w).shares
+    small = shares.index(min(shares))  # the rank with the smallest share of the uneven split
+    uneven_small = [row[small] for row in runs["uneven"]["ratios"]]
     slow_ratio = [row[1] for s, row in enumerate(runs["warn"]["ratios"], 1) if s >= SLOW_FROM + 1]
     healthy_sps = runs["healthy"]["steps_per_s"]
     result: dict = {
-        "world_size": W,
+        "world_size": w,
+        "global_batch_size": args.global_batch_size,
+        "uneven_shares": list(shares),
         "factor": F,
         "steps": args.steps,
         "healthy_steps": args.healthy_steps,
@@ -155,11 +172,11 @@ def main() -> None:
         "false_flags_uneven": len(runs["uneven"]["flags"]),
         "steps_per_s_healthy": healthy_sps,
         "bound_unmitigated": 1 / F,
-        "bound_rebalanced": (W - 1 + 1 / F) / W,
-        "bound_excluded": (W - 1) / W,
+        "bound_rebalanced": (w - 1 + 1 / F) / w,
+        "bound_excluded": (w - 1) / w,
         "timer_cost": timer_cost(),
     }
-    for name, (_, _, slow, _) in RUNS.items():
+    for name, (_, _, slow, _) in plan.items():
         if slow:
             flags = runs[name]["flags"]
             result[name] = {

@@ -194,7 +194,8 @@ class StragglerSection:
     `action`: `warn` (the default: record a `straggler` event and keep training; the run's math,
     split and bits stay exactly those of a run without the detector, and a person decides);
     `rebalance` (also move sequences off the flagged rank in proportion to its speed from the next
-    step, and back when it recovers: `raytrain_ft.resilience.rebalance`); `exclude` (a rank still
+    step, and back when it recovers, judged at the even split of a probe every `probe_every_steps`
+    rebalanced steps: `raytrain_ft.resilience.rebalance`); `exclude` (a rank still
     flagged `exclude_after_steps` steps after its flag leaves at that step boundary: restart
     recovery restarts without its node, replica recovery replaces its replica;
     `raytrain_ft.resilience.straggler.Exclusion`, docs/stragglers.md).
@@ -205,6 +206,7 @@ class StragglerSection:
     window: int = 10  # steps judged: a rank is flagged when slow in min_slow_steps of the last window steps
     min_slow_steps: int = 6  # of the last window steps; a flagged rank recovers when fast in as many
     exclude_after_steps: int = 10  # action exclude: a flagged rank not recovered this many steps after its flag leaves
+    probe_every_steps: int = 100  # action rebalance: after this many rebalanced steps, window steps at the even split
 
 
 @dataclass
@@ -407,6 +409,8 @@ def _validate(cfg: Config) -> None:
         )
     if st.exclude_after_steps < 0:
         raise ConfigError(f"config key 'straggler.exclude_after_steps' must be >= 0, got {st.exclude_after_steps}")
+    if st.probe_every_steps < 1:
+        raise ConfigError(f"config key 'straggler.probe_every_steps' must be >= 1, got {st.probe_every_steps}")
     if cfg.checkpoint.interval not in INTERVAL_MODES:
         raise ConfigError(
             f"config key 'checkpoint.interval' is {cfg.checkpoint.interval!r}; valid: {', '.join(INTERVAL_MODES)}"

@@ -223,7 +223,9 @@ class Trainer:
         self.compute = ComputeTimer(self.par.model, self.device)
         st = cfg.straggler
         detector = StragglerDetector(st.threshold, st.window, st.min_slow_steps)
-        rebalance = Rebalance(detector, self.position, self.plan.global_batch_size, st.action == "rebalance")
+        rebalance = Rebalance(
+            detector, self.position, self.plan.global_batch_size, st.action == "rebalance", st.probe_every_steps
+        )
         self.stragglers = StragglerMonitor(
             detector,
             st.action,

@@ -172,7 +172,9 @@ class StragglerDetector:
     where the cost is per pass (a small model), a recovered member at a smaller share still reads
     slow and keeps its smaller share, which on such a model costs the others little (their extra
     sequences are the cheap part). Only steps after the flag count, so a flag from k slow steps of
-    n is not undone by the n - k fast ones before it.
+    n is not undone by the n - k fast ones before it, and the steps of the ranks in `held` (set
+    before a step by `Rebalance`: ranks training a share moved off them) do not count: their
+    recovery is judged at the even split of a probe.
 
     Raises:
         ValueError: not 1 <= min_slow_steps <= window, or threshold <= 1.
@@ -182,8 +184,9 @@ class StragglerDetector:
         if not 1 <= min_slow_steps <= window or not threshold > 1:
             raise ValueError(f"need threshold > 1 and 1 <= min_slow_steps ({min_slow_steps}) <= window ({window})")
         self.threshold, self.window, self.min_slow = threshold, window, min_slow_steps
-        # (step, slowness per member at the upper bound, at the lower bound)
-        self.judged: deque[tuple[int, list[float], list[float]]] = deque(maxlen=window)
+        # (step, slowness per member at the upper bound, at the lower bound, the ranks held at it)
+        self.judged: deque[tuple[int, list[float], list[float], frozenset[int]]] = deque(maxlen=window)
+        self.held: frozenset[int] = frozenset()  # ranks whose next steps do not count for recovery
         self.flagged: dict[int, Straggler] = {}
         self.flagged_at: dict[int, int] = {}  # rank -> the step it was flagged at (or assumed from)
 
@@ -203,18 +206,22 @@ class StragglerDetector:
             self.flagged.clear()
             self.flagged_at.clear()
         upper, lower = (slowness(per_sequence_s, shares, bound) for bound in ("upper", "lower"))
-        self.judged.append((step, upper, lower))
+        self.judged.append((step, upper, lower, self.held))
         flagged, recovered = [], []
         for r in range(len(per_sequence_s)):
             if r not in self.flagged:
-                slow = [(s, x[r]) for s, x, _ in self.judged if x[r] > self.threshold]
+                slow = [(s, x[r]) for s, x, _, _ in self.judged if x[r] > self.threshold]
                 if len(slow) >= self.min_slow:
                     self.assume(Straggler(r, statistics.fmean(x for _, x in slow), slow[0][0]), step)
                     flagged.append(self.flagged[r])
-            elif sum(s > self.flagged_at[r] and y[r] <= self.threshold for s, _, y in self.judged) >= self.min_slow:
+            elif self._fast_since_flag(r) >= self.min_slow:
                 del self.flagged_at[r]
                 recovered.append(self.flagged.pop(r))
         return flagged, recovered
+
+    def _fast_since_flag(self, r: int) -> int:
+        """Steps judged after `r`'s flag, not held, at which `r` was fast (at the lower bound)."""
+        return sum(s > self.flagged_at[r] and r not in held and y[r] <= self.threshold for s, _, y, held in self.judged)
 
 
 class StragglerExcluded(RuntimeError):

@@ -52,31 +52,40 @@ def test_the_split_in_force_is_checkpointed_with_the_data_position():
     assert restored == DataPosition(0, 12, ())
 
 
-def test_the_split_moves_at_a_flag_moves_back_at_recovery_and_survives_a_resume():
+def test_the_split_moves_at_a_flag_is_probed_at_the_even_split_moves_back_at_recovery_and_survives_a_resume():
     detector, position = StragglerDetector(threshold=1.5, window=3, min_slow_steps=2), DataPosition()
-    rebalance = Rebalance(detector, position, 12, enabled=True)
+    rebalance = Rebalance(detector, position, 12, enabled=True, probe_every_steps=4)
 
     def step(s: int, rank1_s: float, shares: tuple[int, ...]) -> tuple[int, ...]:
+        assert (position.split or (4, 4, 4)) == shares
         figures = [1.0 / shares[0], rank1_s / shares[1], 1.0 / shares[2]]
         rebalance.before_step(s)
         detector.observe(s, figures, shares)
         rebalance.after_optimizer_step(StepResult(s, 0.0, 0.0, False, None, 0.0, compute_s_per_seq=tuple(figures)))
         return position.split
 
+    split = (5, 2, 5)
     assert step(1, 2.0, (4, 4, 4)) == ()
-    assert step(2, 2.0, (4, 4, 4)) == (5, 2, 5)  # flagged at 2 (slow in 2 of 3): the next step trains 5/2/5
-    assert step(3, 2.0, (5, 2, 5)) == (5, 2, 5)  # still flagged: the split stays
-    # balanced: its 2 sequences take as long as the others' 5 (a per-sequence cost, still 2.5x slow);
-    # judged at the upper bound of its lone share this read as recovered and the split moved back
-    assert [step(s, 1.0, (5, 2, 5)) for s in (4, 5, 6)] == [(5, 2, 5)] * 3
+    assert step(2, 2.0, (4, 4, 4)) == split  # flagged at 2 (slow in 2 of 3): the next step trains 5/2/5
+    assert detector.held == {1}  # its steps at the moved split do not count for its recovery
+    # fast at its lone share (0.4 s for 2 sequences: 2/5 of the others' 1.0 s for 5), or balanced
+    # (1.0 s): either reads recovered at one bound of the others' cost; held, neither moves the split
+    assert [step(s, t, split) for s, t in ((3, 0.4), (4, 1.0), (5, 0.4))] == [split] * 3
     resumed_detector, resumed_position = StragglerDetector(1.5, 3, 2), DataPosition()
     resumed_position.load_state_dict(position.state_dict())
-    resumed = Rebalance(resumed_detector, resumed_position, 12, enabled=True)
-    resumed.before_step(7)
-    assert set(resumed_detector.flagged) == {1} and resumed_position.split == (5, 2, 5)
-    assert resumed_detector.flagged_at == {1: 6}  # recovery counts the attempt's steps from 7 on
-    assert step(7, 0.4, (5, 2, 5)) == (5, 2, 5)  # fast once (0.4 s for 2 sequences): not yet recovered
-    assert step(8, 0.4, (5, 2, 5)) == ()  # fast in 2 steps after the flag: recovered, the even rule
+    resumed = Rebalance(resumed_detector, resumed_position, 12, enabled=True, probe_every_steps=4)
+    resumed.before_step(6)
+    assert set(resumed_detector.flagged) == {1} and resumed_position.split == split
+    assert resumed_detector.flagged_at == {1: 5} and resumed_detector.held == {1}
+    assert step(6, 2.0, split) == ()  # 4 steps since the split took force: the probe, 3 steps even
+    assert detector.held == set()
+    assert [step(s, 2.0, (4, 4, 4)) for s in (7, 8)] == [(), ()]
+    assert step(9, 2.0, (4, 4, 4)) == split  # still slow at the even split: the split comes back
+    assert [step(s, 0.4, split) for s in (10, 11, 12)] == [split] * 3
+    assert step(13, 0.4, split) == ()  # the next probe
+    assert step(14, 1.0, (4, 4, 4)) == ()
+    assert step(15, 1.0, (4, 4, 4)) == ()  # fast in 2 probe steps: recovered, the even rule stays
+    assert detector.flagged == {} and step(16, 1.0, (4, 4, 4)) == step(20, 1.0, (4, 4, 4)) == ()
     off = Rebalance(StragglerDetector(1.5, 3, 1), DataPosition(), 12, enabled=False)
     off.detector.observe(1, [1.0, 3.0, 1.0])
     off.after_optimizer_step(StepResult(1, 0.0, 0.0, False, None, 0.0, compute_s_per_seq=(1.0, 3.0, 1.0)))
