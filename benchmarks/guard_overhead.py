@@ -13,9 +13,8 @@ the two variants is drawn per round (seeded), so neither always runs first on a 
 machine. Each round gives one paired ratio (full / bare steps/s); rounds continue until the 95 %
 confidence half-width of the mean ratio (Student t) is below `--resolve` (0.01) or `--max-rounds`.
 The first `--warmup-rounds` (2) rounds run both variants the same way but are reported apart
-(`warmup_rounds`) and never counted: measured, the full step's first rounds ran at 0.72 and 0.84 of
-bare after the 9 warm-up steps (the first rounds' MLflow writes and allocator growth), the later
-ones at 0.92-1.04.
+(`warmup_rounds`) and never counted: the full step's first rounds after the 9 warm-up steps run
+well below the later ones (the first rounds' MLflow writes and allocator growth).
 Target: full/bare >= 0.97, with a half-width smaller than that 3 % effect. Prints JSON and writes
 benchmarks/results/guard_overhead.json.
 """

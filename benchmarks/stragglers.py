@@ -13,9 +13,8 @@ rank 1 at factor 2 from step 11 (a `slow` fault), `warn` and `rebalance` (`--ste
 exclusion's restart through the Ray driver, which this Ray-free script does not run, is
 tests/test_straggler_exclusion.py's, and a restart's cost is the goodput benchmark's). Each rank
 needs a core of its own for the throughput rows to mean anything: the `slow` fault sleeps, and on
-fewer cores than ranks the sleeping rank frees a core for the others (on 2 cores at W=3 the
-factor-2 run kept 0.99 of healthy steps/s); the detection rows (noise, false flags, delay) hold
-either way.
+fewer cores than ranks the sleeping rank frees a core for the others; the detection rows (noise,
+false flags, delay) hold either way.
 From each run's MLflow metrics (`train/compute_s_per_seq_rank<r>`) and events: each rank's
 slowness (`straggler.slowness`, at the run's shares; percentiles over the healthy runs' steps), the
 `straggler` events (a flag in a healthy run is a false flag), the delay from the fault's first step

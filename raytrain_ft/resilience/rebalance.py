@@ -18,7 +18,7 @@ next step trains it. The detector runs the same decision on every rank from the 
 every rank changes its split at the same step boundary, and the split is checkpointed with the data
 position. After a resume with a split in force the detector's window is empty (it is not
 checkpointed: timing); the ranks the split favours against are seeded as flagged (factor from their
-share), so the same split stays until the detector sees them fast in k of n steps (recovery).
+share), so the same split stays until a probe sees them fast in k of n steps (recovery).
 
 A rebalanced straggler trains a share no other rank has, where the others' figures bound its cost
 only loosely; so its recovery is not judged at the moved split (its steps are `held` from the
@@ -90,7 +90,7 @@ class Rebalance(StepHook):
         position: DataPosition,
         global_batch_size: int,
         enabled: bool,
-        probe_every_steps: int = 100,
+        probe_every_steps: int,
     ):
         self.detector, self.position, self.g, self.enabled = detector, position, global_batch_size, enabled
         self.probe_every = probe_every_steps
@@ -126,12 +126,8 @@ class Rebalance(StepHook):
         self._hold()
 
     def _move(self, step: int, split: tuple[int, ...], why: str) -> None:
-        self.position.split, self.ranks, self.moved_at, self.probe_until = (
-            split,
-            frozenset(self.detector.flagged),
-            step,
-            None,
-        )
+        self.position.split, self.ranks = split, frozenset(self.detector.flagged)
+        self.moved_at, self.probe_until = step, None
         log.warning("step %d: split from step %d on: %s%s", step, step + 1, split or "even", why)
 
     def _hold(self) -> None:

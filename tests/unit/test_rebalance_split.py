@@ -86,7 +86,7 @@ def test_the_split_moves_at_a_flag_is_probed_at_the_even_split_moves_back_at_rec
     assert step(14, 1.0, (4, 4, 4)) == ()
     assert step(15, 1.0, (4, 4, 4)) == ()  # fast in 2 probe steps: recovered, the even rule stays
     assert detector.flagged == {} and step(16, 1.0, (4, 4, 4)) == step(20, 1.0, (4, 4, 4)) == ()
-    off = Rebalance(StragglerDetector(1.5, 3, 1), DataPosition(), 12, enabled=False)
+    off = Rebalance(StragglerDetector(1.5, 3, 1), DataPosition(), 12, enabled=False, probe_every_steps=4)
     off.detector.observe(1, [1.0, 3.0, 1.0])
     off.after_optimizer_step(StepResult(1, 0.0, 0.0, False, None, 0.0, compute_s_per_seq=(1.0, 3.0, 1.0)))
     assert off.position.split == ()  # warn: the split never moves
