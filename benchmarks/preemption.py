@@ -81,7 +81,7 @@ def drain_once(mode: str, preset: str, workdir: str, steps_after: int, cluster, 
 
     from raytrain_ft.config import load_config
     from raytrain_ft.launch.driver import run
-    from raytrain_ft.run_folder import complete_steps, read_latest, step_of
+    from raytrain_ft.run_folder import complete_steps, read_commit_ack, read_latest, step_of
     from raytrain_ft.telemetry.tracking import MlflowRecorder
 
     cfg = load_config(
@@ -107,8 +107,12 @@ def drain_once(mode: str, preset: str, workdir: str, steps_after: int, cluster, 
             raise RuntimeError(f"{preset}: the run ended before {what} (its traceback is above)")
         return value
 
-    # the committed checkpoint (both modes; under replica Ray Train's checkpoint manager writes no snapshot)
-    wait(lambda: (latest := read_latest(root)) is not None and step_of(latest) >= 3, "its first commit")
+    # the committed checkpoint: under restart the one Ray Train registered, under replica the run folder's record
+    def committed() -> bool:
+        latest = read_commit_ack(root) if mode == "restart" else read_latest(root)
+        return bool(latest) and step_of(latest) >= 3
+
+    wait(committed, "its first commit")
     run_id = Path(root, "mlflow_run_id").read_text().strip()
     client = MlflowClient(cfg.tracking.uri)
 
