@@ -45,41 +45,36 @@ from raytrain_ft.checkpoint.train_state import (
     KEY_DATA,
     KEY_GOODPUT,
     KEY_GUARDS,
-    KEY_META,
-    KEY_MODEL,
-    KEY_OPTIM,
     KEY_PROGRESS,
     KEY_ROLLBACKS,
     KEY_SCHEDULER,
-    ModelState,
-    OptimizerState,
     Pickled,
     Progress,
-    RNGState,
     RunMeta,
-    TrainState,
     rng_key,
+    run_state,
     seed_rngs,
 )
 from raytrain_ft.config import Config
 from raytrain_ft.data.audit import DataAudit
 from raytrain_ft.data.batches import Batches, check_data_fits
 from raytrain_ft.data.manifest import load_manifest
-from raytrain_ft.data.order import steps_per_epoch, window_sample_ids
+from raytrain_ft.data.order import steps_per_epoch
 from raytrain_ft.data.position import BatchPlan, DataPosition
 from raytrain_ft.errors import StorageFullError
 from raytrain_ft.hooks import StepHooks, StepResult
 from raytrain_ft.model.llama import lm_loss
 from raytrain_ft.model.parallel import Parallel, build
 from raytrain_ft.resilience.faults import FaultInjector
-from raytrain_ft.resilience.guards import NoRollbackTargetError, RankChecks, RollbackLog, SpikeGuard
+from raytrain_ft.resilience.guards import RankChecks, RollbackLog, SpikeGuard
 from raytrain_ft.resilience.preemption import Preemption, wait_out
 from raytrain_ft.resilience.rebalance import Rebalance, rebalanced
 from raytrain_ft.resilience.recovery import RunHistory
 from raytrain_ft.resilience.replicas import Share, first_share, role, step_members
+from raytrain_ft.resilience.rollback import Rollback
 from raytrain_ft.resilience.straggler import ComputeTimer, StragglerDetector, StragglerMonitor, exclusion
 from raytrain_ft.resilience.watchdog import StepBeat
-from raytrain_ft.run_folder import complete_steps, end_run, step_path
+from raytrain_ft.run_folder import end_run, step_path
 from raytrain_ft.schedule import lr_schedule
 from raytrain_ft.session import Session
 from raytrain_ft.telemetry.goodput import GoodputLedger, StepAccount
@@ -144,6 +139,22 @@ def train(cfg: Config, session: Session) -> None:
     trainer.members.finish(session.run_root)
 
 
+def straggler_hooks(
+    cfg: Config, session: Session, position: DataPosition, plan: BatchPlan, split_rank
+) -> tuple[StragglerMonitor, Rebalance]:
+    """The straggler step hooks sharing one detector (`raytrain_ft.resilience.straggler`): the
+    monitor (flags, events, exclusion) and the rebalance (a no-op unless `straggler.action:
+    rebalance`) that moves the split in `position`. `split_rank()`: this worker's rank in the step's split."""
+    st = cfg.straggler
+    detector = StragglerDetector(st.threshold, st.window, st.min_slow_steps)
+    rebalance = Rebalance(detector, position, plan.global_batch_size, st.action == "rebalance", st.probe_every_steps)
+    own = session.recorder(attempt=False)
+    monitor = StragglerMonitor(
+        detector, st.action, own, split_rank, session.rank, session.node, exclusion(cfg), session.run_root
+    )
+    return monitor, rebalance
+
+
 class Trainer:
     """One rank's training run: the constructor builds the components (the data pipeline already
     filling from the committed checkpoint's data position), `begin()` restores and starts the
@@ -178,22 +189,28 @@ class Trainer:
         self.guard, self.rollbacks = SpikeGuard(g.factor, g.window, g.warmup), RollbackLog()
         num_params = sum(p.numel() for p in self.par.model.parameters())
 
-        self.state = TrainState(self.rank)
-        self.state.add(KEY_MODEL, ModelState(self.par.model))
-        self.state.add(KEY_OPTIM, OptimizerState(self.par.model, self.optimizer))
-        self.state.add(KEY_SCHEDULER, Pickled(self.scheduler))
-        self.state.add(KEY_PROGRESS, Pickled(self.progress))
-        self.state.add(KEY_DATA, Pickled(self.position))
-        self.state.add(KEY_GUARDS, Pickled(self.guard))
-        self.state.add(KEY_ROLLBACKS, Pickled(self.rollbacks))
-        self.state.add(rng_key(self.rank), Pickled(RNGState()))
-        self.state.add(KEY_META, RunMeta(fingerprint(cfg, self.manifest, num_params), session.mlflow_run_id))
         self.ledger = GoodputLedger()  # kept alike on every rank; rank 0's is checkpointed and recorded
-        if self.rank == 0:
-            self.state.add(KEY_GOODPUT, Pickled(self.ledger))
+        pickled = {KEY_SCHEDULER: self.scheduler, KEY_PROGRESS: self.progress, KEY_DATA: self.position}
+        pickled |= {KEY_GUARDS: self.guard, KEY_ROLLBACKS: self.rollbacks}
+        meta = RunMeta(fingerprint(cfg, self.manifest, num_params), session.mlflow_run_id)
+        self.state = run_state(
+            self.rank, self.par.model, self.optimizer, pickled, meta, self.ledger if self.rank == 0 else None
+        )
 
         self.checkpointer = Checkpointer(session.run_root, cfg.failure.collective_timeout_s)
         self.group = self.checkpointer.control_group  # CPU gloo group for guard collectives
+        self.roll_back = Rollback(
+            cfg,
+            self.manifest,
+            self.plan,
+            self.steps_per_epoch,
+            self.checkpointer,
+            self.state,
+            session,
+            self.progress,
+            self.position,
+            self.rollbacks,
+        )
         self.checks = RankChecks(cfg.guards, self.par, lambda: self.members, self.step_recorder, self.settle)
         self.validation = Validation(
             cfg.validation, cfg.data.path, self.manifest, self.plan, self.rank, self.par, self.group, self.device
@@ -221,21 +238,7 @@ class Trainer:
             self.rank,
         )
         self.compute = ComputeTimer(self.par.model, self.device)
-        st = cfg.straggler
-        detector = StragglerDetector(st.threshold, st.window, st.min_slow_steps)
-        rebalance = Rebalance(
-            detector, self.position, self.plan.global_batch_size, st.action == "rebalance", st.probe_every_steps
-        )
-        self.stragglers = StragglerMonitor(
-            detector,
-            st.action,
-            session.recorder(attempt=False),
-            lambda: self.members.rank,
-            session.rank,
-            session.node,
-            exclusion(cfg),
-            session.run_root,
-        )
+        self.stragglers, rebalance = straggler_hooks(cfg, session, self.position, self.plan, lambda: self.members.rank)
         hooks = [self.faults, StepAccount(self.ledger), metrics, self.stragglers, rebalance, self.audit, self.beat]
         self.hooks = StepHooks(hooks)
 
@@ -458,46 +461,13 @@ class Trainer:
         self.recorder.registered()
 
     def rollback(self, step: int) -> None:
-        """Persistent spikes: reload the last checkpoint before the streak and skip a data window."""
+        """Persistent spikes: reload the last checkpoint before the streak and skip a data window
+        (`raytrain_ft.resilience.rollback`); drop what the discarded steps left."""
         self.after_commit(self.checkpointer.wait())
-        first_bad = step - self.guard.consecutive + 1
-        before = [s for s in complete_steps(self.session.run_root) if s < first_bad]
-        if not before:
-            raise NoRollbackTargetError(
-                f"{self.guard.consecutive} skipped steps in a row and no checkpoint before step {first_bad}"
-            )
-        target = step_path(self.session.run_root, before[-1])
-        history = self.session.history()  # every rank before the (collective) restore: before rank 0 adds to it
-        restore_started_at = time.time()
-        keep = self.state.components.pop(KEY_ROLLBACKS)  # the rollback record survives the reload
-        try:
-            self.checkpointer.restore(self.state, [target], lambda path, reason: None)
-        finally:
-            self.state.add(KEY_ROLLBACKS, keep)
+        event, history = self.roll_back(step, self.guard.consecutive)
         self.audit.discard_after(self.progress.step)
         self.step_recorder.discard_after(self.progress.step)
-        c = self.cfg
-        window = c.guards.spike.skip_window_steps
-        skipped = window_sample_ids(c.data.path, self.manifest, c.train.seed, self.position, self.plan, window)
-        for _ in range(window):
-            self.position.advance(self.plan.global_batch_size, self.steps_per_epoch)
-        record = {
-            "at_step": step,
-            "to_step": self.progress.step,
-            "skipped_steps": window,
-            "skipped_sample_ids": skipped,
-        }
-        self.rollbacks.rollbacks.append(record)
         self.schedule.saved(self.progress.step)
-        log.warning(
-            "rank %d: rolled back from step %d to %d, skipping %d global batches",
-            self.rank,
-            step,
-            self.progress.step,
-            window,
-        )
-        event = {"time": time.time(), **record, "restore_started_at": restore_started_at}
-        history.record({"kind": "rollback", **event})
         self.step_recorder.event("rollback", **event)
         self.step_recorder.metrics(step, {"rollbacks": len(self.rollbacks.rollbacks)})
         # the reloaded ledger ends at the checkpoint: account for the discarded steps and the reload

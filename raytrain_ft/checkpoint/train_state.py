@@ -6,7 +6,7 @@ and reshards it. Every other component (LR scheduler, step, data position, RNG s
 run metadata) is pickled to bytes when the snapshot is taken: the bytes are immutable, so training
 may continue while the writer runs. RNG states differ per rank and live under `rng.rank{R}`; the
 goodput ledger (`raytrain_ft.telemetry.goodput`) is rank 0's alone, under `goodput`.
-Adding a component is one `TrainState.add(KEY, stateful)` line.
+`run_state` assembles a rank's; adding a component is one line there.
 """
 
 from __future__ import annotations
@@ -254,3 +254,27 @@ class TrainState:
     def snapshot(self) -> dict[str, Any]:
         """State dict for `dcp.async_save`: tensors by reference (DCP stages them), the rest as bytes."""
         return {key: c.state_dict() for key, c in self.components.items()}
+
+
+def run_state(
+    rank: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    pickled: dict[str, Any],
+    meta: RunMeta,
+    goodput: Any | None,
+) -> TrainState:
+    """One rank's whole train state, the keys `COMPONENT_KEYS` name: the model's and optimizer's
+    tensors (DCP-sharded), each of `pickled` ({`KEY_SCHEDULER`/`KEY_PROGRESS`/`KEY_DATA`/`KEY_GUARDS`/
+    `KEY_ROLLBACKS`: the live object}, pickled at each snapshot and loaded into in place), the rank's
+    RNG states, the run's metadata and, on rank 0 (`goodput` not None), its goodput ledger."""
+    state = TrainState(rank)
+    state.add(KEY_MODEL, ModelState(model))
+    state.add(KEY_OPTIM, OptimizerState(model, optimizer))
+    for key, obj in pickled.items():
+        state.add(key, Pickled(obj))
+    state.add(rng_key(rank), Pickled(RNGState()))
+    state.add(KEY_META, meta)
+    if goodput is not None:
+        state.add(KEY_GOODPUT, Pickled(goodput))
+    return state

@@ -1,0 +1,99 @@
+"""Rollback after persistent loss spikes: reload the newest checkpoint before the streak and skip a
+window of data.
+
+The spike guard (`raytrain_ft.resilience.guards.SpikeGuard`) skips single bad steps; after
+`guards.spike.max_consecutive_skips` skips in a row the loop calls `Rollback`: every rank (a
+collective restore) reloads the whole train state from the newest complete checkpoint of a step
+before the streak's first skip and advances the data position past `guards.spike.skip_window_steps`
+global batches, the ones the streak would have trained again (the PaLM recipe: restart from a
+checkpoint about 100 steps before the spike and skip 200-500 batches; Chowdhery et al. 2022, sec.
+5.1). The skipped sample ids are kept in the checkpointed `RollbackLog`, so the data order after a
+rollback is part of the run's record. What the loop discards around it (audited steps, recorded
+timeline, goodput) is the loop's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from raytrain_ft.checkpoint.checkpointer import Checkpointer
+from raytrain_ft.checkpoint.train_state import KEY_ROLLBACKS, Progress, TrainState
+from raytrain_ft.config import Config
+from raytrain_ft.data.manifest import Manifest
+from raytrain_ft.data.order import window_sample_ids
+from raytrain_ft.data.position import BatchPlan, DataPosition
+from raytrain_ft.resilience.guards import NoRollbackTargetError, RollbackLog
+from raytrain_ft.resilience.recovery import RunHistory
+from raytrain_ft.run_folder import complete_steps, step_path
+from raytrain_ft.session import Session
+
+log = logging.getLogger(__name__)
+
+
+class Rollback:
+    """Reloads `state` from an older checkpoint and skips a data window (every rank together).
+
+    `state` must hold `progress`, `position` and `rollbacks` as its components: the reload restores
+    them in place (the rollback log is kept out of the reload: it outlives it)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        manifest: Manifest,
+        plan: BatchPlan,
+        steps_per_epoch: int,
+        checkpointer: Checkpointer,
+        state: TrainState,
+        session: Session,
+        progress: Progress,
+        position: DataPosition,
+        rollbacks: RollbackLog,
+    ):
+        self.cfg, self.manifest, self.plan, self.steps_per_epoch = cfg, manifest, plan, steps_per_epoch
+        self.checkpointer, self.state, self.session = checkpointer, state, session
+        self.progress, self.position, self.rollbacks = progress, position, rollbacks
+
+    def __call__(self, step: int, consecutive: int) -> tuple[dict, RunHistory]:
+        """Roll back after `consecutive` skipped steps ending at `step` (no save in flight: the
+        caller settled it). Returns the `rollback` event (recorded in the run's history; fields
+        `at_step`, `to_step`, `skipped_steps`, `skipped_sample_ids`, `time` and
+        `restore_started_at`, unix seconds) and the history as read before it.
+
+        Raises:
+            NoRollbackTargetError: no complete checkpoint of a step before the streak.
+        """
+        first_bad = step - consecutive + 1
+        before = [s for s in complete_steps(self.session.run_root) if s < first_bad]
+        if not before:
+            raise NoRollbackTargetError(
+                f"{consecutive} skipped steps in a row and no checkpoint before step {first_bad}"
+            )
+        history = self.session.history()  # every rank before the (collective) restore: before rank 0 adds to it
+        restore_started_at = time.time()
+        keep = self.state.components.pop(KEY_ROLLBACKS)  # the rollback record survives the reload
+        try:
+            self.checkpointer.restore(self.state, [step_path(self.session.run_root, before[-1])], lambda p, r: None)
+        finally:
+            self.state.add(KEY_ROLLBACKS, keep)
+        c, window = self.cfg, self.cfg.guards.spike.skip_window_steps
+        skipped = window_sample_ids(c.data.path, self.manifest, c.train.seed, self.position, self.plan, window)
+        for _ in range(window):
+            self.position.advance(self.plan.global_batch_size, self.steps_per_epoch)
+        record = {
+            "at_step": step,
+            "to_step": self.progress.step,
+            "skipped_steps": window,
+            "skipped_sample_ids": skipped,
+        }
+        self.rollbacks.rollbacks.append(record)
+        log.warning(
+            "rank %d: rolled back from step %d to %d, skipping %d global batches",
+            self.state.rank,
+            step,
+            self.progress.step,
+            window,
+        )
+        event = {"time": time.time(), **record, "restore_started_at": restore_started_at}
+        history.record({"kind": "rollback", **event})
+        return event, history
