@@ -31,6 +31,12 @@ from raytrain_ft.telemetry.tracking import MlflowRecorder, finish_run, flatten, 
 multiprocessing.set_forkserver_preload(["local_run"])
 
 
+# after a rank failed, the others' own ending (their collective fails at once: the peer is gone) may
+# take this long before they are terminated: it drains their recorders (`_rank`), as Ray's recorder
+# actor outlives a worker group
+FAILED_RANK_GRACE_S = 30.0
+
+
 class LocalRunFailed(RuntimeError):
     """Every attempt of a local run failed."""
 
@@ -39,14 +45,12 @@ def _rank(rank: int, config: dict, run_id: str, world_size: int, store: str) -> 
     torch.set_num_threads(1)  # as in a Ray Train worker of a fractional CPU (OMP_NUM_THREADS=1)
     cfg = from_dict(config)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    root = run_root(cfg.run.storage_path, cfg.run.name)
+    session = LocalSession(root, cfg.data.path, cfg.train.seed, cfg.tracking.uri, run_id, cfg.waits.tracking_timeout_s)
     try:
-        root = run_root(cfg.run.storage_path, cfg.run.name)
-        session = LocalSession(
-            root, cfg.data.path, cfg.train.seed, cfg.tracking.uri, run_id, cfg.waits.tracking_timeout_s
-        )
         train(cfg, session)
-        session.run_recorder.drain(120.0)  # what the store did not take yet (it was away): sent before the exit
-    finally:
+    finally:  # a failed rank's too: what the store did not take yet (it was away, or slow) is sent before the exit
+        session.run_recorder.drain(120.0)
         dist.destroy_process_group()
 
 
@@ -67,8 +71,12 @@ def local_run(cfg: Config, world_size: int | None = None) -> str:
     for _ in range(cfg.failure.max_failures + 1):
         store = os.path.join(tempfile.mkdtemp(prefix="pg-"), "store")
         try:
-            mp.start_processes(_rank, args=(to_dict(cfg), run_id, n, store), nprocs=n, start_method="forkserver")
-        except ProcessException as e:  # a rank raised or died: the others were terminated
+            ranks = mp.start_processes(
+                _rank, args=(to_dict(cfg), run_id, n, store), nprocs=n, join=False, start_method="forkserver"
+            )
+            while not ranks.join(grace_period=FAILED_RANK_GRACE_S):
+                pass
+        except ProcessException as e:  # a rank raised or died: the others ended or were terminated
             errors.append(str(e).strip().splitlines()[-1] if str(e).strip() else repr(e))
             continue
         finish_run(MlflowRecorder(uri, run_id), root, failed=False)  # the driver's owner of the end status
