@@ -59,6 +59,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Callable
 
 import fsspec
@@ -82,13 +83,14 @@ def fired(run_root: str, index: int, step: int) -> bool:
 
 def mark(run_root: str, index: int, step: int) -> None:
     """Write the marker of fault `index` at `step`: it fired (once per run). Its content, the unix
-    time it fired, is whole when the marker exists (a temporary file renamed): a reader polling for
-    it never reads it half-written."""
+    time it fired, is whole when the marker exists (a temporary file of this writer renamed: a fault
+    of every rank is marked by each rank at once): a reader polling for it never reads it half-written."""
     fs, marker = fsspec.core.url_to_fs(fault_marker(run_root, index, step))
     fs.makedirs(marker.rsplit("/", 1)[0], exist_ok=True)
-    with fs.open(f"{marker}.tmp", "w") as f:
+    tmp = f"{marker}.{uuid.uuid4().hex}.tmp"
+    with fs.open(tmp, "w") as f:
         f.write(str(time.time()))
-    fs.mv(f"{marker}.tmp", marker)
+    fs.mv(tmp, marker)
 
 
 def start_faults_due(
