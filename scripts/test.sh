@@ -7,4 +7,4 @@ export RAY_AUTH_MODE=disabled  # local test clusters only; see docs/cluster.md "
 .venv/bin/ruff format --check raytrain_ft jobs tests benchmarks scripts
 .venv/bin/ruff check raytrain_ft jobs tests benchmarks scripts
 .venv/bin/mypy  # the package; settings in pyproject.toml [tool.mypy]
-.venv/bin/python -m pytest -n 2 --dist loadfile "$@"  # two test files at a time: most tests wait on Ray, not on the CPUs
+.venv/bin/python -m pytest "$@"

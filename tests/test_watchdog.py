@@ -40,8 +40,8 @@ from raytrain_ft.run_folder import replica_final_file
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 STEP_BOUND_S = 12
-# a start on 2 cores takes 15-30 s alone and up to about 60 s beside another test (CI runs two at a
-# time, scripts/test.sh): the time the start frozen in its restore waits
+# a start alone on 2 cores (CI runs one test at a time) takes 15-30 s; under contention it took over
+# 60 s: the time the start frozen in its restore waits
 START_BOUND_S = 90
 
 
