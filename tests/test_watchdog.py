@@ -41,7 +41,7 @@ pytestmark = pytest.mark.usefixtures("ray_local")
 
 STEP_BOUND_S = 12
 # a start alone on 2 cores (CI runs one test at a time) takes 15-30 s; under contention it took over
-# 60 s: the time the start frozen in its restore waits
+# 90 s: the time the start frozen in its restore waits
 START_BOUND_S = 90
 
 
