@@ -199,18 +199,7 @@ class Trainer:
 
         self.checkpointer = Checkpointer(session.run_root, cfg.failure.collective_timeout_s)
         self.group = self.checkpointer.control_group  # CPU gloo group for guard collectives
-        self.roll_back = Rollback(
-            cfg,
-            self.manifest,
-            self.plan,
-            self.steps_per_epoch,
-            self.checkpointer,
-            self.state,
-            session,
-            self.progress,
-            self.position,
-            self.rollbacks,
-        )
+        self.roll_back = Rollback(cfg, self.manifest, self.plan, self.checkpointer, self.state, session)
         self.checks = RankChecks(cfg.guards, self.par, lambda: self.members, self.step_recorder, self.settle)
         self.validation = Validation(
             cfg.validation, cfg.data.path, self.manifest, self.plan, self.rank, self.par, self.group, self.device

@@ -18,12 +18,12 @@ import logging
 import time
 
 from raytrain_ft.checkpoint.checkpointer import Checkpointer
-from raytrain_ft.checkpoint.train_state import KEY_ROLLBACKS, Progress, TrainState
+from raytrain_ft.checkpoint.train_state import KEY_DATA, KEY_PROGRESS, KEY_ROLLBACKS, Pickled, TrainState
 from raytrain_ft.config import Config
 from raytrain_ft.data.manifest import Manifest
-from raytrain_ft.data.order import window_sample_ids
-from raytrain_ft.data.position import BatchPlan, DataPosition
-from raytrain_ft.resilience.guards import NoRollbackTargetError, RollbackLog
+from raytrain_ft.data.order import steps_per_epoch, window_sample_ids
+from raytrain_ft.data.position import BatchPlan
+from raytrain_ft.resilience.guards import NoRollbackTargetError
 from raytrain_ft.resilience.recovery import RunHistory
 from raytrain_ft.run_folder import complete_steps, step_path
 from raytrain_ft.session import Session
@@ -34,25 +34,28 @@ log = logging.getLogger(__name__)
 class Rollback:
     """Reloads `state` from an older checkpoint and skips a data window (every rank together).
 
-    `state` must hold `progress`, `position` and `rollbacks` as its components: the reload restores
-    them in place (the rollback log is kept out of the reload: it outlives it)."""
+    `state` (`raytrain_ft.checkpoint.train_state.run_state`) holds the live `Progress`,
+    `DataPosition` and `RollbackLog` the loop reads: the reload restores the first two in place; the
+    rollback log is kept out of the reload (it outlives it) and gains the rollback's record."""
 
     def __init__(
         self,
         cfg: Config,
         manifest: Manifest,
         plan: BatchPlan,
-        steps_per_epoch: int,
         checkpointer: Checkpointer,
         state: TrainState,
         session: Session,
-        progress: Progress,
-        position: DataPosition,
-        rollbacks: RollbackLog,
     ):
-        self.cfg, self.manifest, self.plan, self.steps_per_epoch = cfg, manifest, plan, steps_per_epoch
+        self.cfg, self.manifest, self.plan = cfg, manifest, plan
+        self.steps_per_epoch = steps_per_epoch(manifest, plan.global_batch_size, plan.micro_batch_size)
         self.checkpointer, self.state, self.session = checkpointer, state, session
-        self.progress, self.position, self.rollbacks = progress, position, rollbacks
+        self.progress, self.position, self.rollbacks = (self._live(k) for k in (KEY_PROGRESS, KEY_DATA, KEY_ROLLBACKS))
+
+    def _live(self, key: str):
+        component = self.state.components[key]
+        assert isinstance(component, Pickled), key
+        return component.obj
 
     def __call__(self, step: int, consecutive: int) -> tuple[dict, RunHistory]:
         """Roll back after `consecutive` skipped steps ending at `step` (no save in flight: the
