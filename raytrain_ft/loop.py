@@ -1,20 +1,22 @@
 """The data-parallel training loop, run on every rank. Depends on `torch.distributed`, not on Ray.
 
-Read top to bottom: `train` builds a `Trainer` (the data pipeline, already filling from the
-committed checkpoint's data position, the model, optimizer, schedule, the checkpointed state and the
-step hooks: construction only), calls `Trainer.begin` (restore, the attempt's record and goodput
-account, the auto checkpoint interval), then runs `Trainer.step` once per optimizer step: this
-rank's share of the global batch, at any world size (`data.position.BatchPlan`) -> forward/backward
-over its `grad_accum_steps` passes -> gradient reduction across replicas -> clip (global grad norm)
--> spike guard, one decision for every member -> the step accepted or trained again -> wait for the
-checkpoint snapshot -> optimizer step or skip -> LR scheduler -> advance the data
-position -> held-out validation at its interval (`validation`) -> rank check and replica fingerprint
-at their intervals, across the step's members -> roll back after persistent spikes, else save (after a
-drain notice the members agreed on in the step: `raytrain_ft.resilience.preemption`; after a straggler's
-exclusion, `raytrain_ft.resilience.straggler.Exclusion`, before the members end as `StepMembers.exclude`
-says). Who trains a step, the split, the gradient reduction across replicas, the agreed skip and
-whether the step counts are the step members' (`replicas`: the whole group under restart recovery, a
-torchft quorum of replicas under replica recovery); the loop calls them the same way in both modes.
+Read top to bottom: `train` builds a `Trainer` over its components (`raytrain_ft.run_components`:
+the data pipeline, already filling from the committed checkpoint's data position, the model,
+optimizer, schedule, the checkpointed state and the step hooks: construction only), calls
+`Trainer.begin` (restore, the attempt's record and goodput account: `raytrain_ft.telemetry.attempt`;
+the auto checkpoint interval: `checkpoint.interval.auto_schedule`), then runs `Trainer.step` once per
+optimizer step: this rank's share of the global batch, at any world size (`data.position.BatchPlan`)
+-> forward/backward over its `grad_accum_steps` passes -> gradient reduction across replicas -> clip
+(global grad norm) -> spike guard, one decision for every member -> the step accepted or trained
+again -> wait for the checkpoint snapshot -> optimizer step or skip -> LR scheduler -> advance the
+data position -> held-out validation at its interval (`validation`) -> rank check and replica
+fingerprint at their intervals, across the step's members -> roll back after persistent spikes, else
+save (also before members leave: after a drain notice the members agreed on in the step,
+`raytrain_ft.resilience.preemption`, or a straggler's exclusion, `raytrain_ft.resilience.straggler.Exclusion`;
+then they leave as `raytrain_ft.resilience.leaving` says). Who trains a step, the split, the gradient
+reduction across replicas, the agreed skip and whether the step counts are the step members'
+(`replicas`: the whole group under restart recovery, a torchft quorum of replicas under replica
+recovery); the loop calls them the same way in both modes.
 
 What the loop records goes to a `Recorder` (`raytrain_ft.telemetry.recorder`: rank 0's records, the other
 ranks' is a `NullRecorder`; under replica recovery each step's participant of rank 0 records it,
@@ -24,9 +26,11 @@ failures, attempt starts, hangs and rollbacks).
 
 The per-step side work runs in step hooks (`raytrain_ft.hooks`), in this order: fault injection
 (`faults`), the goodput ledger (`goodput.StepAccount`: every second of wall time in one bucket; rank
-0's is checkpointed and recorded), step metrics and MFU (`step_metrics`), the data audit
-(`data.audit`), the progress beat to the driver's watchdog (`watchdog`). Fault injection that
-changes the step's own values (loss multiplier, slowed or killed checkpoint writes) is called where it acts.
+0's is checkpointed and recorded), step metrics and MFU (`step_metrics`), the straggler monitor and
+the rebalance (`straggler`, `rebalance`), the data audit (`data.audit`), the progress beat to the
+driver's watchdog (`watchdog`); `raytrain_ft.run_components` builds them in that order. Fault
+injection that changes the step's own values (loss multiplier, slowed or killed checkpoint writes) is
+called where it acts.
 """
 
 from __future__ import annotations
@@ -35,52 +39,21 @@ import logging
 import time
 
 import torch
-import torch.distributed as dist
 
-from raytrain_ft.checkpoint.checkpointer import Checkpointer, restore_latest
-from raytrain_ft.checkpoint.fingerprint import fingerprint
-from raytrain_ft.checkpoint.interval import CheckpointSchedule, agreed_schedule, agreed_update, planning_mtbf_s
-from raytrain_ft.checkpoint.reader import peek
-from raytrain_ft.checkpoint.train_state import (
-    KEY_DATA,
-    KEY_GOODPUT,
-    KEY_GUARDS,
-    KEY_PROGRESS,
-    KEY_ROLLBACKS,
-    KEY_SCHEDULER,
-    Pickled,
-    Progress,
-    RunMeta,
-    rng_key,
-    run_state,
-    seed_rngs,
-)
+from raytrain_ft.checkpoint.checkpointer import restore_latest
+from raytrain_ft.checkpoint.interval import agreed_update, auto_schedule
+from raytrain_ft.checkpoint.train_state import KEY_GOODPUT, rng_key, seed_rngs
 from raytrain_ft.config import Config
-from raytrain_ft.data.audit import DataAudit
-from raytrain_ft.data.batches import Batches, check_data_fits
-from raytrain_ft.data.manifest import load_manifest
-from raytrain_ft.data.order import steps_per_epoch
-from raytrain_ft.data.position import BatchPlan, DataPosition
+from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.errors import StorageFullError
-from raytrain_ft.hooks import StepHooks, StepResult
+from raytrain_ft.hooks import StepResult
 from raytrain_ft.model.llama import lm_loss
-from raytrain_ft.model.parallel import Parallel, build
-from raytrain_ft.resilience.faults import FaultInjector
-from raytrain_ft.resilience.guards import RankChecks, RollbackLog, SpikeGuard
-from raytrain_ft.resilience.preemption import Preemption, wait_out
-from raytrain_ft.resilience.rebalance import Rebalance, rebalanced
-from raytrain_ft.resilience.recovery import RunHistory
-from raytrain_ft.resilience.replicas import Share, first_share, role, step_members
-from raytrain_ft.resilience.rollback import Rollback
-from raytrain_ft.resilience.straggler import ComputeTimer, StragglerDetector, StragglerMonitor, exclusion
-from raytrain_ft.resilience.watchdog import StepBeat
+from raytrain_ft.model.parallel import Parallel
+from raytrain_ft.resilience.leaving import leave
+from raytrain_ft.resilience.rebalance import rebalanced
+from raytrain_ft.run_components import RunComponents
 from raytrain_ft.run_folder import end_run, step_path
-from raytrain_ft.schedule import lr_schedule
 from raytrain_ft.session import Session
-from raytrain_ft.telemetry.goodput import GoodputLedger, StepAccount
-from raytrain_ft.telemetry.recorder import Gated, NullRecorder
-from raytrain_ft.telemetry.step_metrics import StepMetrics
-from raytrain_ft.validation import Validation
 
 log = logging.getLogger(__name__)
 
@@ -100,14 +73,6 @@ def forward_backward(par: Parallel, plan: BatchPlan, passes: list[dict], loss_fa
         micro_loss.backward()
         loss += micro_loss.detach()
     return loss.item()
-
-
-def audit_width(cfg: Config, plan: BatchPlan) -> int:
-    """The most sample ids a rank trains per step (`DataAudit`): the even split's largest share, or
-    under `straggler.action: rebalance` the largest any split can give (G - W + 1)."""
-    if cfg.straggler.action == "rebalance":
-        return plan.global_batch_size - plan.world_size + 1
-    return plan.max_share
 
 
 def rank_mean_loss(plan: BatchPlan, rank: int, weighted: float) -> float:
@@ -139,97 +104,14 @@ def train(cfg: Config, session: Session) -> None:
     trainer.members.finish(session.run_root)
 
 
-def straggler_hooks(
-    cfg: Config, session: Session, position: DataPosition, plan: BatchPlan, split_rank
-) -> tuple[StragglerMonitor, Rebalance]:
-    """The straggler step hooks sharing one detector (`raytrain_ft.resilience.straggler`): the
-    monitor (flags, events, exclusion) and the rebalance (a no-op unless `straggler.action:
-    rebalance`) that moves the split in `position`. `split_rank()`: this worker's rank in the step's split."""
-    st = cfg.straggler
-    detector = StragglerDetector(st.threshold, st.window, st.min_slow_steps)
-    rebalance = Rebalance(detector, position, plan.global_batch_size, st.action == "rebalance", st.probe_every_steps)
-    own = session.recorder(attempt=False)
-    monitor = StragglerMonitor(
-        detector, st.action, own, split_rank, session.rank, session.node, exclusion(cfg), session.run_root
-    )
-    return monitor, rebalance
-
-
-class Trainer:
-    """One rank's training run: the constructor builds the components (the data pipeline already
-    filling from the committed checkpoint's data position), `begin()` restores and starts the
-    attempt, then `step()` runs once per optimizer step."""
+class Trainer(RunComponents):
+    """One rank's training run: its components (`raytrain_ft.run_components`, built by the
+    constructor: the data pipeline already filling from the committed checkpoint's data position),
+    `begin()` restores and starts the attempt, then `step()` runs once per optimizer step."""
 
     def __init__(self, cfg: Config, session: Session):
-        self.init_started_at = time.time()  # restore time (goodput) counts from here
-        self.cfg, self.session = cfg, session
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        # restart recovery: rank 0 records; replica recovery: every replica, each step the step's
-        # participant of rank 0 (`step_recorder`), the attempt replica 0 unless it is a replacement
-        self.role = role(cfg, session.rank, session.replacement)
-        self.recorder = session.recorder(attempt=self.role.attempt) if self.role.records else NullRecorder()
-        self.attempt_recorder = self.recorder if self.role.attempt else NullRecorder()
-        self.step_recorder = Gated(self.recorder, lambda: self.members.records)
-        cuda = torch.cuda.is_available()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        self.manifest = load_manifest(cfg.data.path)
-        check_data_fits(cfg, self.manifest)
-        self.plan = BatchPlan(cfg.train.global_batch_size, cfg.train.micro_batch_size, self.world_size)
-        self.steps_per_epoch = steps_per_epoch(self.manifest, self.plan.global_batch_size, self.plan.micro_batch_size)
-        latest, batches_from = session.latest_checkpoint(), DataPosition()
-        peek(latest, {KEY_DATA: Pickled(batches_from)})  # read alone from the checkpoint: the data starts now
-        share = rebalanced(first_share(cfg, self.plan, self.rank, session.rank), batches_from.split)
-        self.batches = Batches(session, self.steps_per_epoch, batches_from, share, cfg.waits.data_timeout_s)
-
-        shape = self.manifest.vocab_size, self.manifest.seq_len
-        self.par, self.optimizer = build(cfg, *shape, self.device, resuming=latest is not None)
-        self.scheduler = lr_schedule(self.optimizer, cfg.train)
-        self.progress, self.position = Progress(), DataPosition()
-        g = cfg.guards.spike
-        self.guard, self.rollbacks = SpikeGuard(g.factor, g.window, g.warmup), RollbackLog()
-        num_params = sum(p.numel() for p in self.par.model.parameters())
-
-        self.ledger = GoodputLedger()  # kept alike on every rank; rank 0's is checkpointed and recorded
-        pickled = {KEY_SCHEDULER: self.scheduler, KEY_PROGRESS: self.progress, KEY_DATA: self.position}
-        pickled |= {KEY_GUARDS: self.guard, KEY_ROLLBACKS: self.rollbacks}
-        meta = RunMeta(fingerprint(cfg, self.manifest, num_params), session.mlflow_run_id)
-        self.state = run_state(
-            self.rank, self.par.model, self.optimizer, pickled, meta, self.ledger if self.rank == 0 else None
-        )
-
-        self.checkpointer = Checkpointer(session.run_root, cfg.failure.collective_timeout_s)
-        self.group = self.checkpointer.control_group  # CPU gloo group for guard collectives
-        self.roll_back = Rollback(cfg, self.manifest, self.plan, self.checkpointer, self.state, session)
-        self.checks = RankChecks(cfg.guards, self.par, lambda: self.members, self.step_recorder, self.settle)
-        self.validation = Validation(
-            cfg.validation, cfg.data.path, self.manifest, self.plan, self.rank, self.par, self.group, self.device
-        )
-        self.audit = DataAudit(
-            session.run_root, lambda ids: self.members.gather(ids), cfg.data.audit, audit_width(cfg, self.plan)
-        )
-        self.faults = FaultInjector(  # a fault's rank is the run's (under replica recovery the replica's)
-            cfg.faults, session.rank, session.run_root, self.settle, lambda: self.par.local_parameters()[0]
-        )
-        self.beat = StepBeat(session.beat)  # every rank: the driver's watchdog stops a rank that stalls
-        # auto: planned in `begin` from the run's failures
-        self.schedule = CheckpointSchedule(cfg.checkpoint.interval_steps)
+        super().__init__(cfg, session, lambda: self.members, self.settle)
         self.save_due = self.done = self.ended = False
-        self.preemption = Preemption(session, session.rank)
-        metrics = StepMetrics(
-            cfg,
-            self.plan,
-            self.manifest.seq_len,
-            self.par.model,
-            self.scheduler,
-            self.position,
-            self.guard,
-            self.step_recorder,
-            self.rank,
-        )
-        self.compute = ComputeTimer(self.par.model, self.device)
-        self.stragglers, rebalance = straggler_hooks(cfg, session, self.position, self.plan, lambda: self.members.rank)
-        hooks = [self.faults, StepAccount(self.ledger), metrics, self.stragglers, rebalance, self.audit, self.beat]
-        self.hooks = StepHooks(hooks)
 
     def begin(self) -> None:
         """Start the attempt (every rank, collectives): restore the committed checkpoint (or an
@@ -243,68 +125,15 @@ class Trainer:
         if rng_key(self.rank) not in loaded:  # fresh start, or a rank added by an elastic resize
             seed_rngs(cfg.train.seed + self.progress.step, self.rank)
         self.beat.restored()  # restoring a large checkpoint is not a step
-        share = Share(self.plan, self.rank)
-        self.members = step_members(
-            cfg,
-            share,
-            self.group,
-            self.state,
-            self.progress.step,
-            session.rank,
-            {"audit": self.audit},
-            self.recorder,
-            self.role.replacement,
-        )
+        self.members = self.build_members(self.progress.step)
         self.done = self.progress.step >= cfg.train.max_steps  # a finished run submitted again
-        self.start_attempt(history, resumed_from or 0, KEY_GOODPUT in loaded)
+        tags = self.par.tags() | self.checks.tags()
+        self.attempt.start(history, resumed_from or 0, self.progress.step, tags, KEY_GOODPUT in loaded, self.done)
         if cfg.checkpoint.interval == "auto":
-            self.schedule = self.auto_schedule(history)
-        log.info(
-            "rank %d: start at step %d (world size %d, %d sequences per step in %d passes, batch_balance %.3f)",
-            self.rank,
-            self.progress.step,
-            self.world_size,
-            self.plan.share(self.rank),
-            self.plan.grad_accum_steps,
-            self.plan.batch_balance,
-        )
-
-    def start_attempt(self, history: RunHistory, resumed_from: int, ledger_loaded: bool) -> None:
-        """After the restore: record the attempt and account the time since the checkpoint's
-        snapshot (goodput: `history`'s events say what it was; unix seconds throughout)."""
-        start = {
-            "time": time.time(),
-            "resumed_from": resumed_from,
-            "world_size": self.world_size,
-            "init_started_at": self.init_started_at,
-        }
-        history.record({"kind": "attempt_start", **start})
-        self.attempt_recorder.tags(self.par.tags() | self.checks.tags())
-        self.attempt_recorder.metrics(
-            self.progress.step,
-            {
-                "resumed_from_step": resumed_from,
-                "world_size": self.world_size,
-                "batch_balance": self.plan.batch_balance,
-            },
-        )
-        self.attempt_recorder.event("attempt_start", **start)
-        self.attempt_recorder.resume_timeline(resumed_from, history.attempt_starts())
-        if not ledger_loaded:
-            self.ledger.start(history.run_start)
-        if not self.done:  # a finished run's account is closed
-            self.ledger.add_gap(history.events, time.time(), fresh=not ledger_loaded)
-            self.attempt_recorder.goodput(self.progress.step, self.ledger.summary(time.time()))
-
-    def auto_schedule(self, history: RunHistory) -> CheckpointSchedule:
-        """`checkpoint.interval: auto`: Daly's interval at the MTBF (`history`'s failures) rank 0
-        chose (broadcast: the ranks' clocks differ, their plans must not)."""
-        c, f = self.cfg.checkpoint, self.cfg.failure
-        planned, source = planning_mtbf_s(
-            f.mtbf_hours_per_gpu, self.world_size, history.failure_times(), history.run_start, time.time()
-        )
-        self.attempt_recorder.tags({"mtbf_source": source})
-        return agreed_schedule(c.interval_steps, planned, self.progress.step, self.group)
+            self.schedule = auto_schedule(
+                cfg, self.world_size, history, self.progress.step, self.group, self.attempt_recorder
+            )
+        log.info("rank %d: start at step %d (%s)", self.rank, self.progress.step, self.plan.describe(self.rank))
 
     def save(self, step: int, write_delay_s: float = 0.0) -> None:
         """Start the save of `step` (every rank); at most one is in flight: the previous one
@@ -403,8 +232,11 @@ class Trainer:
         self.hooks.after_step(step)
 
     def maybe_save(self, step: int, leaving: int) -> None:
-        """Periodic, final and just-in-time (preemption: `leaving` members hold a drain notice;
-        straggler exclusion: `StragglerMonitor.excluded`) saves; none while a skip streak is on."""
+        """Periodic and final saves (none while a skip streak is on), and the just-in-time save before
+        members leave (`raytrain_ft.resilience.leaving`: `leaving` members hold a drain notice, those
+        `StragglerMonitor.excluded` lists are excluded stragglers): the members that keep the step
+        durable save it (unless this step's periodic save is in flight), then `leave` (`self.ended`:
+        restart recovery's whole attempt ends)."""
         # auto: never start a save while the previous one is still writing (writes must not queue)
         self.save_due |= self.schedule.due(step) and not (self.schedule.auto and self.checkpointer.pending)
         final = step == self.cfg.train.max_steps
@@ -416,32 +248,11 @@ class Trainer:
             self.save_due = False
         excluded = self.stragglers.excluded()
         if leaving or excluded:
-            self.save_before_leaving(step, leaving, excluded)
-
-    def save_before_leaving(self, step: int, leaving: int, excluded: list[int]) -> None:
-        """`leaving` members' nodes are drained (`raytrain_ft.resilience.preemption`), the members
-        of split ranks `excluded` are stragglers excluded (`raytrain_ft.resilience.straggler`): the
-        members that keep the step durable save it (unless this step's periodic save is in flight)
-        and wait until it is registered; a doomed rank records the notice and, as a replica, leaves
-        and waits for its node's end; an excluded one records its exclusion, and the members end
-        as `StepMembers.exclude` says (`self.ended`: restart recovery's whole attempt)."""
-        saves = self.members.saves_before_leaving(leaving + len(excluded))
-        if saves and (self.checkpointer.pending is None or self.checkpointer.pending[0] != step):
-            self.save(step)
-            self.schedule.saved(step)
-        mine = self.members.rank in excluded
-        if saves or self.preemption.held or mine:
-            self.settle()
-        if mine:
-            self.stragglers.record_exclusion(step)
-        notice = self.preemption.answer(step, saved=saves)
-        if excluded and self.members.exclude(excluded):
-            self.ended = True
-            return
-        if notice and self.members.leave():
-            # no beat while it waits: the deadline plus `PAST_DEADLINE_S` stays under the driver's
-            # watchdog floor (`watchdog.MIN_STEP_TIMEOUT_S`) for the clouds' 30-120 s notices
-            wait_out(notice)
+            saves = self.members.saves_before_leaving(leaving + len(excluded))
+            if saves and (self.checkpointer.pending is None or self.checkpointer.pending[0] != step):
+                self.save(step)
+                self.schedule.saved(step)
+            self.ended |= leave(step, excluded, saves, self.members, self.preemption, self.stragglers, self.settle)
 
     def settle(self) -> None:
         """Finish and commit the in-flight save and wait until the runtime registered every commit."""

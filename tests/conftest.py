@@ -35,8 +35,8 @@ from raytrain_ft.data.order import EpochOrder, steps_per_epoch
 from raytrain_ft.data.prepare import PrepareSettings
 from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV
 from raytrain_ft.launch.prepare import prepare
-from raytrain_ft.loop import lr_schedule
 from raytrain_ft.run_folder import step_path
+from raytrain_ft.schedule import lr_schedule
 from raytrain_ft.telemetry.tracking import MlflowRecorder
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -20,11 +20,16 @@ comes on top (one period of wall time is `tau + C`). The restart time `R` does n
 from __future__ import annotations
 
 import math
+import time
 from numbers import Real
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from raytrain_ft.config import Config
+from raytrain_ft.resilience.recovery import RunHistory
+from raytrain_ft.telemetry.recorder import Recorder
 
 SECONDS_PER_HOUR = 3600.0
 
@@ -230,6 +235,20 @@ def agreed_schedule(
     agreed = torch.tensor([mtbf_s], dtype=torch.float64)
     dist.broadcast(agreed, src=0, group=group)
     return CheckpointSchedule(interval_steps, agreed.item(), last_save_step=last_save_step)
+
+
+def auto_schedule(
+    cfg: Config, world_size: int, history: RunHistory, step: int, group: dist.ProcessGroup, recorder: Recorder
+) -> CheckpointSchedule:
+    """`checkpoint.interval: auto` at an attempt's start (`step`): Daly's interval at the MTBF
+    (`planning_mtbf_s` from `history`'s failures, its source tagged `mtbf_source` on `recorder`)
+    rank 0 chose (`agreed_schedule`: broadcast, the ranks' clocks differ, their plans must not)."""
+    c, f = cfg.checkpoint, cfg.failure
+    planned, source = planning_mtbf_s(
+        f.mtbf_hours_per_gpu, world_size, history.failure_times(), history.run_start, time.time()
+    )
+    recorder.tags({"mtbf_source": source})
+    return agreed_schedule(c.interval_steps, planned, step, group)
 
 
 def agreed_update(

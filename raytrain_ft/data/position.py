@@ -96,6 +96,13 @@ class BatchPlan:
         """G / (W x largest share): 1.0 when W divides G; the sequence-level bound otherwise."""
         return self.global_batch_size / (self.world_size * self.max_share)
 
+    def describe(self, rank: int) -> str:
+        """The plan as `rank` trains it, in words (the loop's start log)."""
+        return (
+            f"world size {self.world_size}, {self.share(rank)} sequences per step in {self.grad_accum_steps} passes, "
+            f"batch_balance {self.batch_balance:.3f}"
+        )
+
     def span(self, rank: int) -> tuple[int, int]:
         """`[lo, hi)`: the sequences (positions in the step's lane order) `rank` trains."""
         if self.split:

@@ -28,8 +28,8 @@ from raytrain_ft.checkpoint.train_state import (
 )
 from raytrain_ft.config import TrainSection
 from raytrain_ft.errors import CheckpointError
-from raytrain_ft.loop import lr_schedule
 from raytrain_ft.run_folder import step_path
+from raytrain_ft.schedule import lr_schedule
 
 
 def test_rng_states_round_trip_exactly(tmp_path):

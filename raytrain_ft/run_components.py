@@ -1,0 +1,180 @@
+"""One rank's run components: everything `loop.Trainer` runs its algorithm with, built before the attempt starts.
+
+`RunComponents(cfg, session, members, settle)` builds them, on every rank in the same order (the
+model's wrapping and the checkpointer's process groups run collectives): who records
+(`replicas.Role`), the data (`BatchPlan`, and `Batches` already filling from the committed
+checkpoint's data position, the one thing read from the checkpoint now), the model and optimizer
+(`model.parallel.build`), the LR schedule, the spike guard and rollback log, the goodput ledger,
+the train state that checkpoints them (`checkpoint.train_state.run_state`), the checkpointer, the
+rollback, the guards' cross-member checks, validation, the data audit, fault injection, the
+progress beat, the checkpoint schedule, drain notices, the compute timer, the step hooks in their
+order (`raytrain_ft.hooks`) and the attempt's record (`telemetry.attempt`). Construction only:
+nothing is restored; `build_members` builds the step members once the restore has set the step.
+
+Some components call back into the loop: `members()` returns the step members (`Trainer.begin`
+builds them, after this), `settle()` finishes and commits the in-flight save (`Trainer.settle`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from raytrain_ft.checkpoint.checkpointer import Checkpointer
+from raytrain_ft.checkpoint.fingerprint import fingerprint
+from raytrain_ft.checkpoint.interval import CheckpointSchedule
+from raytrain_ft.checkpoint.reader import peek
+from raytrain_ft.checkpoint.train_state import (
+    KEY_DATA,
+    KEY_GUARDS,
+    KEY_PROGRESS,
+    KEY_ROLLBACKS,
+    KEY_SCHEDULER,
+    Pickled,
+    Progress,
+    RunMeta,
+    run_state,
+)
+from raytrain_ft.config import Config
+from raytrain_ft.data.audit import DataAudit
+from raytrain_ft.data.batches import Batches, check_data_fits
+from raytrain_ft.data.manifest import load_manifest
+from raytrain_ft.data.order import steps_per_epoch
+from raytrain_ft.data.position import BatchPlan, DataPosition
+from raytrain_ft.hooks import StepHooks
+from raytrain_ft.model.parallel import build
+from raytrain_ft.resilience.faults import FaultInjector
+from raytrain_ft.resilience.guards import RankChecks, RollbackLog, SpikeGuard
+from raytrain_ft.resilience.preemption import Preemption
+from raytrain_ft.resilience.rebalance import Rebalance, rebalanced
+from raytrain_ft.resilience.replicas import Share, StepMembers, first_share, role, step_members
+from raytrain_ft.resilience.rollback import Rollback
+from raytrain_ft.resilience.straggler import ComputeTimer, StragglerDetector, StragglerMonitor, exclusion
+from raytrain_ft.resilience.watchdog import StepBeat
+from raytrain_ft.schedule import lr_schedule
+from raytrain_ft.session import Session
+from raytrain_ft.telemetry.attempt import AttemptRecord
+from raytrain_ft.telemetry.goodput import GoodputLedger, StepAccount
+from raytrain_ft.telemetry.recorder import Gated, NullRecorder
+from raytrain_ft.telemetry.step_metrics import StepMetrics
+from raytrain_ft.validation import Validation
+
+
+def audit_width(cfg: Config, plan: BatchPlan) -> int:
+    """The most sample ids a rank trains per step (`DataAudit`): the even split's largest share, or
+    under `straggler.action: rebalance` the largest any split can give (G - W + 1)."""
+    if cfg.straggler.action == "rebalance":
+        return plan.global_batch_size - plan.world_size + 1
+    return plan.max_share
+
+
+def straggler_hooks(
+    cfg: Config, session: Session, position: DataPosition, plan: BatchPlan, split_rank
+) -> tuple[StragglerMonitor, Rebalance]:
+    """The straggler step hooks sharing one detector (`raytrain_ft.resilience.straggler`): the
+    monitor (flags, events, exclusion) and the rebalance (a no-op unless `straggler.action:
+    rebalance`) that moves the split in `position`. `split_rank()`: this worker's rank in the step's split."""
+    st = cfg.straggler
+    detector = StragglerDetector(st.threshold, st.window, st.min_slow_steps)
+    rebalance = Rebalance(detector, position, plan.global_batch_size, st.action == "rebalance", st.probe_every_steps)
+    own = session.recorder(attempt=False)
+    monitor = StragglerMonitor(
+        detector, st.action, own, split_rank, session.rank, session.node, exclusion(cfg), session.run_root
+    )
+    return monitor, rebalance
+
+
+class RunComponents:
+    """One rank's run components (module doc), built by the constructor."""
+
+    def __init__(self, cfg: Config, session: Session, members: Callable[[], StepMembers], settle: Callable[[], None]):
+        init_started_at = time.time()  # restore time (goodput) counts from here
+        self.cfg, self.session = cfg, session
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # restart recovery: rank 0 records; replica recovery: every replica, each step the step's
+        # participant of rank 0 (`step_recorder`), the attempt replica 0 unless it is a replacement
+        self.role = role(cfg, session.rank, session.replacement)
+        self.recorder = session.recorder(attempt=self.role.attempt) if self.role.records else NullRecorder()
+        self.attempt_recorder = self.recorder if self.role.attempt else NullRecorder()
+        self.step_recorder = Gated(self.recorder, lambda: members().records)
+        cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.manifest = load_manifest(cfg.data.path)
+        check_data_fits(cfg, self.manifest)
+        self.plan = BatchPlan(cfg.train.global_batch_size, cfg.train.micro_batch_size, self.world_size)
+        self.steps_per_epoch = steps_per_epoch(self.manifest, self.plan.global_batch_size, self.plan.micro_batch_size)
+        latest, batches_from = session.latest_checkpoint(), DataPosition()
+        peek(latest, {KEY_DATA: Pickled(batches_from)})  # read alone from the checkpoint: the data starts now
+        share = rebalanced(first_share(cfg, self.plan, self.rank, session.rank), batches_from.split)
+        self.batches = Batches(session, self.steps_per_epoch, batches_from, share, cfg.waits.data_timeout_s)
+
+        shape = self.manifest.vocab_size, self.manifest.seq_len
+        self.par, self.optimizer = build(cfg, *shape, self.device, resuming=latest is not None)
+        self.scheduler = lr_schedule(self.optimizer, cfg.train)
+        self.progress, self.position = Progress(), DataPosition()
+        g = cfg.guards.spike
+        self.guard, self.rollbacks = SpikeGuard(g.factor, g.window, g.warmup), RollbackLog()
+        num_params = sum(p.numel() for p in self.par.model.parameters())
+
+        self.ledger = GoodputLedger()  # kept alike on every rank; rank 0's is checkpointed and recorded
+        pickled = {KEY_SCHEDULER: self.scheduler, KEY_PROGRESS: self.progress, KEY_DATA: self.position}
+        pickled |= {KEY_GUARDS: self.guard, KEY_ROLLBACKS: self.rollbacks}
+        meta = RunMeta(fingerprint(cfg, self.manifest, num_params), session.mlflow_run_id)
+        self.state = run_state(
+            self.rank, self.par.model, self.optimizer, pickled, meta, self.ledger if self.rank == 0 else None
+        )
+
+        self.checkpointer = Checkpointer(session.run_root, cfg.failure.collective_timeout_s)
+        self.group = self.checkpointer.control_group  # CPU gloo group for guard collectives
+        self.roll_back = Rollback(cfg, self.manifest, self.plan, self.checkpointer, self.state, session)
+        self.checks = RankChecks(cfg.guards, self.par, members, self.step_recorder, settle)
+        self.validation = Validation(
+            cfg.validation, cfg.data.path, self.manifest, self.plan, self.rank, self.par, self.group, self.device
+        )
+        self.audit = DataAudit(
+            session.run_root, lambda ids: members().gather(ids), cfg.data.audit, audit_width(cfg, self.plan)
+        )
+        self.faults = FaultInjector(  # a fault's rank is the run's (under replica recovery the replica's)
+            cfg.faults, session.rank, session.run_root, settle, lambda: self.par.local_parameters()[0]
+        )
+        self.beat = StepBeat(session.beat)  # every rank: the driver's watchdog stops a rank that stalls
+        # auto: planned in `Trainer.begin` from the run's failures
+        self.schedule = CheckpointSchedule(cfg.checkpoint.interval_steps)
+        self.preemption = Preemption(session, session.rank)
+        metrics = StepMetrics(
+            cfg,
+            self.plan,
+            self.manifest.seq_len,
+            self.par.model,
+            self.scheduler,
+            self.position,
+            self.guard,
+            self.step_recorder,
+            self.rank,
+        )
+        self.compute = ComputeTimer(self.par.model, self.device)
+        self.stragglers, rebalance = straggler_hooks(cfg, session, self.position, self.plan, lambda: members().rank)
+        hooks = [self.faults, StepAccount(self.ledger), metrics, self.stragglers, rebalance, self.audit, self.beat]
+        self.hooks = StepHooks(hooks)
+        self.attempt = AttemptRecord(
+            self.attempt_recorder, self.ledger, init_started_at, self.world_size, self.plan.batch_balance
+        )
+
+    def build_members(self, step: int) -> StepMembers:
+        """The step members from `step` on (`raytrain_ft.resilience.replicas.step_members`: the whole
+        group, or a torchft quorum of replicas healing to the restored `step`)."""
+        share = Share(self.plan, self.rank)
+        return step_members(
+            self.cfg,
+            share,
+            self.group,
+            self.state,
+            step,
+            self.session.rank,
+            {"audit": self.audit},
+            self.recorder,
+            self.role.replacement,
+        )
