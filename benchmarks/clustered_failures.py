@@ -11,11 +11,12 @@ plain Ray Train restart, side by side in one Ray session (3 logical CPUs).
    job's free resources (`group_start` events).
 2. The two recovery targets, side by side: `--kills` (2) SIGKILLs at the same seeded random moments
    and ranks in a raytrain-ft `restart` run and a `replica` run, and as many in a plain Ray Train
-   restart, with goodput.py's own runs (`goodput.raytrain_ft`, `goodput.plain`: the demo config's
-   `small` model, 2 CPU workers at 0.5 CPU), one after the other: the median of kill -> first
-   resumed step of `restart` and of the plain restart, and their ratio (target <= 1.2); the median of
-   kill -> the survivors' first committed step of `replica` (target <= 3 s); each run's recovery
-   phases (`goodput.phase_medians`), where the seconds go.
+   restart, with goodput.py's own runs (`goodput.raytrain_ft`, `goodput.plain`: the demo config,
+   2 CPU workers at 0.5 CPU, at the model `--preset`, its `small` by default; `--step-s`, the
+   preset's expected step time, sizes the runs so that every kill lands), one after the other: the
+   median of kill -> first resumed step of `restart` and of the plain restart, and their ratio
+   (target <= 1.2); the median of kill -> the survivors' first committed step of `replica`
+   (target <= 3 s); each run's recovery phases (`goodput.phase_medians`), where the seconds go.
 
 About 10 minutes on the 2-core reference machine when it is otherwise idle. Prints JSON and writes
 benchmarks/results/clustered_failures.json.
@@ -121,6 +122,8 @@ def main() -> None:
     p.add_argument("--kills", type=int, default=2, help="SIGKILLs in the restart run and in the plain run")
     p.add_argument("--mtbf-s", type=float, default=20.0, help="mean seconds of training between kills")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", default="small", help="model preset of part 2's three runs (the demo's: small)")
+    p.add_argument("--step-s", type=float, default=1.7, help="the preset's expected step time (sizes part 2's runs)")
     p.add_argument("--out", default=default_out("clustered_failures"))
     args = p.parse_args()
     started = time.time()
@@ -136,16 +139,21 @@ def main() -> None:
     gaps = scaled_gaps(rng, args.kills, args.mtbf_s)
     ranks = [rng.randrange(2) for _ in gaps]
     runs = {
-        mode: raytrain_ft(scratch(f"clustered-{mode}-"), mode, gaps, ranks, args.mtbf_s, 1.7, 5.0, 0) for mode in MODES
+        mode: raytrain_ft(
+            scratch(f"clustered-{mode}-"), mode, gaps, ranks, args.mtbf_s, args.step_s, 5.0, 0, args.preset
+        )
+        for mode in MODES
     }
-    runs["plain_ray_train"] = plain(scratch("clustered-plain-"), m.vocab_size, m.seq_len, args.kills, rng)
+    runs["plain_ray_train"] = plain(
+        scratch("clustered-plain-"), m.vocab_size, m.seq_len, args.kills, rng, args.preset, args.step_s
+    )
     ray.shutdown()
     ours, theirs = (phase(runs[k]["recoveries"], "first_step_done") for k in ("restart", "plain_ray_train"))
     ratio = ours["median"] / theirs["median"] if ours["n"] and theirs["n"] else None
     survivors = phase(runs["replica"]["recoveries"], "survivors_committed")
     result.update(
         {
-            "scale": {"kills": args.kills, "mtbf_s": args.mtbf_s, "seed": args.seed},
+            "scale": {"kills": args.kills, "mtbf_s": args.mtbf_s, "seed": args.seed, "preset": args.preset},
             "kill_to_first_step_s": {"restart": ours, "plain_ray_train": theirs},
             "restart_over_plain": ratio,
             "replica_kill_to_survivors_commit_s": survivors,

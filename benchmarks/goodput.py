@@ -208,8 +208,10 @@ def raytrain_ft(
     step_s: float,
     tail_s: float,
     validation_interval: int,
+    preset: str = "small",
 ) -> dict:
-    """One raytrain-ft run with `failure.recovery: <mode>`, killed after each gap at the given rank."""
+    """One raytrain-ft run with `failure.recovery: <mode>` (the demo config at model `preset`), killed
+    after each gap at the given rank."""
     max_steps = math.ceil((sum(gaps_s) + tail_s) / step_s) + len(gaps_s)  # + a step lost per kill
     cfg = load_config(
         os.path.join(REPO, "configs", "demo.yaml"),
@@ -220,6 +222,7 @@ def raytrain_ft(
             f"tracking.uri=sqlite:///{root}/mlflow.db",
             f"train.max_steps={max_steps}",
             f"failure.recovery={mode}",
+            f"model.preset={preset}",
             f"validation.interval_steps={validation_interval}",
             "checkpoint.interval=auto",
             f"failure.mtbf_hours_per_gpu={2 * mtbf_s / 3600}",  # 2 workers: cluster MTBF = mtbf_s
@@ -270,7 +273,7 @@ def plain_train_func(config: dict) -> None:
     rank = ray.train.get_context().get_world_rank()
     write_worker_record(config["root"], rank, ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id())
     torch.manual_seed(0)
-    model = ray.train.torch.prepare_model(build_model("small", config["vocab"], config["seq_len"], 0.0))
+    model = ray.train.torch.prepare_model(build_model(config["preset"], config["vocab"], config["seq_len"], 0.0))
     opt = torch.optim.AdamW(model.parameters())
     start, resumed = 0, ray.train.get_checkpoint()
     if resumed:
@@ -304,8 +307,15 @@ def read_stamps(root: str) -> list[tuple[str, float]]:
         return []
 
 
-def plain(root: str, vocab: int, seq_len: int, kills: int, rng: random.Random) -> dict:
-    config = {"vocab": vocab, "seq_len": seq_len, "micro": 2, "accum": 2, "max_steps": 3 + 3 * kills, "root": root}
+def plain(
+    root: str, vocab: int, seq_len: int, kills: int, rng: random.Random, preset: str = "small", step_s: float = 1.7
+) -> dict:
+    """The plain Ray Train loop (`plain_train_func`, model `preset`) killed `kills` times, each kill
+    at most 2 s after the second step since the previous recovery: enough steps at `step_s` seconds
+    each that every kill lands and a step follows it."""
+    max_steps = 3 + (2 + math.ceil(2.0 / step_s)) * kills
+    config = {"vocab": vocab, "seq_len": seq_len, "micro": 2, "accum": 2, "max_steps": max_steps, "root": root}
+    config["preset"] = preset
     trainer = TorchTrainer(
         plain_train_func,
         train_loop_config=config,

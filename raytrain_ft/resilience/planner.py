@@ -53,7 +53,7 @@ MODES = ("restart", "replica")
 LOST_PARTS = ("lost_work", "restarts", "checkpoint_stalls", "degraded_steps")
 SECONDS_PER_DAY = 86_400.0
 REPLICA_PAUSE_S = (
-    2.0  # the lighthouse's heartbeat timeout (`raytrain_ft.resilience.replicas.LIGHTHOUSE`): the survivors' wait
+    1.0  # the lighthouse's heartbeat timeout (`raytrain_ft.resilience.replicas.LIGHTHOUSE`): the survivors' wait
 )
 SEARCH_POINTS = 16  # intervals per round of the best-interval search (two rounds), rounded to whole steps
 

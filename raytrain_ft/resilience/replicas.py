@@ -104,9 +104,12 @@ REPLACEMENT_ENV = "RAYTRAIN_FT_REPLACEMENT"
 # Lighthouse (one per run, started by Ray Train's `TorchftConfig`): a quorum needs one replica; the
 # first waits this long for the others to join (start-up skew); a replica silent this long is dead.
 # The heartbeat timeout is what the survivors wait after a kill before they train on without the dead
-# replica: at 5 s a replacement Ray Train started from an idle worker process had joined by then
-# (a test run where the survivor never trained alone); 2 s is well under a replacement's start.
-LIGHTHOUSE = {"min_replicas": 1, "join_timeout_ms": int(LIGHTHOUSE_JOIN_S * 1000), "heartbeat_timeout_ms": 2_000}
+# replica (at 5 s a replacement Ray Train started from an idle worker process had joined by then: a
+# test run where the survivor never trained alone). 1 s is 10 of torchft's heartbeats (its Manager's
+# `heartbeat_interval`, 100 ms), sent by the Manager's own Rust threads, which a busy Python thread
+# does not hold up; 2 s put the survivors' first commit after a kill above 3 s even at 0.2 s steps
+# (docs/benchmarks.md, clustered failures).
+LIGHTHOUSE = {"min_replicas": 1, "join_timeout_ms": int(LIGHTHOUSE_JOIN_S * 1000), "heartbeat_timeout_ms": 1_000}
 
 
 class Agreement(NamedTuple):
