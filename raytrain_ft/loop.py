@@ -130,9 +130,10 @@ class Trainer(RunComponents):
         tags = self.par.tags() | self.checks.tags()
         self.attempt.start(history, resumed_from or 0, self.progress.step, tags, KEY_GOODPUT in loaded, self.done)
         if cfg.checkpoint.interval == "auto":
-            self.schedule = auto_schedule(
-                cfg, self.world_size, history, self.progress.step, self.group, self.attempt_recorder
+            self.schedule, source = auto_schedule(
+                cfg, self.world_size, history.failure_times(), history.run_start, self.progress.step, self.group
             )
+            self.attempt_recorder.tags({"mtbf_source": source})
         log.info("rank %d: start at step %d (%s)", self.rank, self.progress.step, self.plan.describe(self.rank))
 
     def save(self, step: int, write_delay_s: float = 0.0) -> None:

@@ -28,8 +28,6 @@ import torch
 import torch.distributed as dist
 
 from raytrain_ft.config import Config
-from raytrain_ft.resilience.recovery import RunHistory
-from raytrain_ft.telemetry.recorder import Recorder
 
 SECONDS_PER_HOUR = 3600.0
 
@@ -238,17 +236,20 @@ def agreed_schedule(
 
 
 def auto_schedule(
-    cfg: Config, world_size: int, history: RunHistory, step: int, group: dist.ProcessGroup, recorder: Recorder
-) -> CheckpointSchedule:
+    cfg: Config,
+    world_size: int,
+    failure_times: list[float],
+    run_start: float,
+    step: int,
+    group: dist.ProcessGroup,
+) -> tuple[CheckpointSchedule, str]:
     """`checkpoint.interval: auto` at an attempt's start (`step`): Daly's interval at the MTBF
-    (`planning_mtbf_s` from `history`'s failures, its source tagged `mtbf_source` on `recorder`)
-    rank 0 chose (`agreed_schedule`: broadcast, the ranks' clocks differ, their plans must not)."""
+    (`planning_mtbf_s` from the run's failures, unix seconds, since `run_start`) rank 0 chose
+    (`agreed_schedule`: broadcast, the ranks' clocks differ, their plans must not), and the MTBF's
+    source (`planning_mtbf_s`)."""
     c, f = cfg.checkpoint, cfg.failure
-    planned, source = planning_mtbf_s(
-        f.mtbf_hours_per_gpu, world_size, history.failure_times(), history.run_start, time.time()
-    )
-    recorder.tags({"mtbf_source": source})
-    return agreed_schedule(c.interval_steps, planned, step, group)
+    planned, source = planning_mtbf_s(f.mtbf_hours_per_gpu, world_size, failure_times, run_start, time.time())
+    return agreed_schedule(c.interval_steps, planned, step, group), source
 
 
 def agreed_update(
