@@ -121,7 +121,7 @@ def loader_tokens_per_s(path, m, plan, batches: int) -> float:
     it = rank_micro_batches(path, m, 0, 0, 0, end, plan, rank=0)
     next(it)  # pipeline start-up is measured above
     t0 = time.perf_counter()
-    n = sum(b["tokens"].numel() for _, b in zip(range(batches), it, strict=False))
+    n = sum(b["tokens"].size for _, b in zip(range(batches), it, strict=False))
     return n / (time.perf_counter() - t0)
 
 

@@ -2,7 +2,7 @@
 
 Processes under torch.multiprocessing, gloo, no Ray; the `tiny` preset under DDP (vocab 512,
 seq_len 256, random tokens), each step = `raytrain_ft.loop.forward_backward` over the rank's
-`BatchPlan.passes` (W=2: 4 sequences in 2 passes of 2; W=3: 2/3/3 sequences in 2 passes), clip,
+`data.batches.split_passes` (W=2: 4 sequences in 2 passes of 2; W=3: 2/3/3 sequences in 2 passes), clip,
 AdamW. Rounds alternate W=2 and W=3 (`--rounds`, each `--steps` timed steps after one warm-up);
 reported: median step time (the slowest rank's), steps/s, sequences/s per rank, and
 `batch_balance` (G / (W x largest share)). One process per rank with one thread each: on a
@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from raytrain_ft.config import load_config
+from raytrain_ft.data.batches import split_passes
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.loop import forward_backward
 from raytrain_ft.model.parallel import build
@@ -43,7 +44,7 @@ def worker(rank: int, world_size: int, steps: int, root: str) -> None:
     lanes = [
         {"tokens": tokens[j * M : (j + 1) * M], "sample_id": torch.arange(j * M, (j + 1) * M)} for j in range(G // M)
     ]
-    passes = plan.passes(rank, [lanes[j] for j in plan.lanes(rank)])
+    passes = split_passes(plan, rank, [lanes[j] for j in plan.lanes(rank)])
     times = []
     for i in range(steps + 1):
         dist.barrier()

@@ -10,7 +10,7 @@ import copy
 import socket
 from collections.abc import Iterator
 
-import torch
+import numpy as np
 import torch.distributed as dist
 
 from raytrain_ft.data.manifest import load_manifest
@@ -71,11 +71,10 @@ class LocalSession:
 
     def micro_batches(
         self, epoch: int, start: int, stop: int, plan: BatchPlan, rank: int
-    ) -> Iterator[dict[str, torch.Tensor]]:
+    ) -> Iterator[dict[str, np.ndarray]]:
         order = EpochOrder(
             self.data_path, self.manifest, self.seed, epoch, plan.global_batch_size, plan.micro_batch_size
         )
         lanes = plan.lanes(rank)
         tables = (order.read([p]) for p in order.pieces(lanes, start, stop))
-        for mb in order.micro_batches(lanes, start, stop, tables):
-            yield {k: torch.from_numpy(v) for k, v in mb.items()}
+        return order.micro_batches(lanes, start, stop, tables)

@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 
 
 def forward_backward(par: Parallel, plan: BatchPlan, passes: list[dict], loss_factor: float, device) -> float:
-    """Accumulate gradients over this rank's passes (`BatchPlan.passes`), each weighted by
+    """Accumulate gradients over this rank's passes (`data.batches.split_passes`), each weighted by
     `BatchPlan.pass_weight`: the gradient of the mean loss over the global batch's G sequences,
     whatever the world size and split. Returns this rank's weighted loss (the ranks' sum over W is
     the global mean loss). A pass without sequences (a rank whose share is shorter than the passes)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Protocol
 
-import torch
+import numpy as np
 
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.resilience.preemption import Notice
@@ -56,10 +56,11 @@ class Session(Protocol):
 
     def micro_batches(
         self, epoch: int, start: int, stop: int, plan: BatchPlan, rank: int
-    ) -> Iterator[dict[str, torch.Tensor]]:
+    ) -> Iterator[dict[str, np.ndarray]]:
         """The micro-batches of `rank` of `plan` for steps [start, stop) of `epoch` (`plan.lanes(rank)`
         of each step), in order. `rank` is this worker's place in the step's split: its process-group
         rank, or under replica recovery its rank in the step's quorum (not `self.rank`).
 
-        Each item: `tokens` int64 (micro_batch_size, seq_len + 1), `sample_id` int64 (micro_batch_size,).
+        Each item: `tokens` int64 (micro_batch_size, seq_len + 1), `sample_id` int64 (micro_batch_size,),
+        numpy arrays (`raytrain_ft.data.batches.split_passes` makes the step's tensors).
         """

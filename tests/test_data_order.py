@@ -6,6 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from raytrain_ft.data.batches import split_passes
 from raytrain_ft.data.manifest import Manifest, Shard, load_manifest
 from raytrain_ft.data.order import EpochOrder, steps_per_epoch
 from raytrain_ft.data.position import BatchPlan, DataPosition
@@ -81,10 +82,7 @@ def test_ranks_partition_every_global_batch(dataset, world_size):
         lanes = plan.lanes(rank)
         tables = [order.read(order.pieces(lanes, 0, order.steps))]
         micro = order.micro_batches(lanes, 0, order.steps, tables)
-        steps = [
-            plan.passes(rank, [{k: torch.from_numpy(v) for k, v in next(micro).items()} for _ in lanes])
-            for _ in range(order.steps)
-        ]
+        steps = [split_passes(plan, rank, [next(micro) for _ in lanes]) for _ in range(order.steps)]
         per_rank.append([torch.cat([p["sample_id"] for p in passes]).tolist() for passes in steps])
     for step in range(order.steps):
         assert sorted(sum((r[step] for r in per_rank), [])) == sorted(expected[step].tolist())

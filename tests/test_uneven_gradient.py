@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from raytrain_ft.config import load_config
+from raytrain_ft.data.batches import split_passes
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.loop import forward_backward, rank_mean_loss
 from raytrain_ft.model.parallel import build
@@ -37,7 +38,7 @@ def step_gradients(world_size: int, rank: int, strategy: str) -> dict:
         {"tokens": tokens[j * M : (j + 1) * M], "sample_id": torch.arange(j * M, (j + 1) * M)} for j in range(G // M)
     ]
     plan = BatchPlan(G, M, world_size)
-    passes = plan.passes(rank, [lanes[j] for j in plan.lanes(rank)])
+    passes = split_passes(plan, rank, [lanes[j] for j in plan.lanes(rank)])
     loss = torch.tensor([forward_backward(par, plan, passes, 1.0, torch.device("cpu"))])
     dist.all_reduce(loss)
     grads = {}
@@ -84,7 +85,7 @@ def identical_sequences(rank: int) -> tuple[int, float, float]:
         {"tokens": tokens[j * M : (j + 1) * M], "sample_id": torch.arange(j * M, (j + 1) * M)} for j in range(G // M)
     ]
     plan = BatchPlan(G, M, 3)
-    weighted = forward_backward(par, plan, plan.passes(rank, [lanes[j] for j in plan.lanes(rank)]), 1.0, "cpu")
+    weighted = forward_backward(par, plan, split_passes(plan, rank, [lanes[j] for j in plan.lanes(rank)]), 1.0, "cpu")
     return plan.share(rank), weighted, rank_mean_loss(plan, rank, weighted)
 
 

@@ -1,9 +1,10 @@
 """This rank's batches of each step: the data pipeline read from a data position, at any split.
 
 `check_data_fits`: the dataset can feed the run (also a preflight check). `Batches.take`: this rank's
-`grad_accum_steps` passes of the step at a data position (`data.position.BatchPlan.passes`), read
-ahead from one stream (`Session.micro_batches`) and read again when the position or the split
-moves; every read within `waits.data_timeout_s`.
+`grad_accum_steps` passes of the step at a data position (`split_passes`), read ahead from one stream
+(`Session.micro_batches`) and read again when the position or the split moves; every read within
+`waits.data_timeout_s`. The micro-batches are numpy arrays until `split_passes` makes them tensors: what
+reads them (Ray Data's read tasks, `raytrain_ft.data.order`) imports no torch.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
 
 from raytrain_ft.config import Config
 from raytrain_ft.data.manifest import Manifest
@@ -36,16 +40,39 @@ def check_data_fits(cfg: Config, manifest: Manifest) -> None:
     steps_per_epoch(manifest, cfg.train.global_batch_size, cfg.train.micro_batch_size)
 
 
+def split_passes(
+    plan: BatchPlan, rank: int, lane_batches: list[dict[str, np.ndarray]]
+) -> list[dict[str, torch.Tensor]]:
+    """Cut one step of `rank`'s lane micro-batches into its `plan.grad_accum_steps` passes (the split:
+    `raytrain_ft.data.position`).
+
+    Args:
+        lane_batches: one micro-batch per lane of `plan.lanes(rank)`, in order (`Session.micro_batches`);
+            each `tokens` int64 (m, seq_len + 1), `sample_id` int64 (m,); numpy arrays or tensors.
+    Returns:
+        `grad_accum_steps` dicts of tensors with the same keys and n rows each, n = the pass's share
+        of the rank's span (differing by at most one between passes; 0 for a zero-weight pass).
+    """
+    lo, hi = plan.span(rank)
+    offset = plan.lanes(rank)[0] * plan.micro_batch_size
+    out: list[dict[str, torch.Tensor]] = [{} for _ in range(plan.grad_accum_steps)]
+    for key in lane_batches[0]:
+        span = torch.cat([torch.as_tensor(mb[key]) for mb in lane_batches])[lo - offset : hi - offset]
+        for i, part in enumerate(torch.tensor_split(span, plan.grad_accum_steps)):
+            out[i][key] = part
+    return out
+
+
 def step_batches(
     session: Session, position: DataPosition, plan: BatchPlan, rank: int, steps_per_epoch: int
 ) -> Iterator[list]:
-    """Endless iterator over steps; each item is this rank's `grad_accum_steps` passes (`BatchPlan.passes`)."""
+    """Endless iterator over steps; each item is this rank's `grad_accum_steps` passes (`split_passes`)."""
     epoch, start = position.epoch, position.consumed // plan.global_batch_size
     lanes = len(plan.lanes(rank))
     while True:
         micro = session.micro_batches(epoch, start, steps_per_epoch, plan, rank)
         for _ in range(steps_per_epoch - start):
-            yield plan.passes(rank, [next(micro) for _ in range(lanes)])
+            yield split_passes(plan, rank, [next(micro) for _ in range(lanes)])
         epoch, start = epoch + 1, 0
 
 
@@ -78,7 +105,7 @@ class Batches:
         self.last: list = []
 
     def take(self, position: DataPosition, share: Share) -> list:
-        """The passes of the step at `position` for `share` (`BatchPlan.passes`)."""
+        """The passes of the step at `position` for `share` (`split_passes`)."""
         key = (position.epoch, position.consumed, share)
         if key == self.last_key:
             return self.last

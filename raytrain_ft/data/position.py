@@ -37,8 +37,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from raytrain_ft.errors import ConfigError
 
 
@@ -125,25 +123,6 @@ class BatchPlan:
     def pass_weight(self, sequences: int) -> float:
         """Loss weight of a pass of `sequences` sequences: `sequences x W / G` (module doc)."""
         return sequences * self.world_size / self.global_batch_size
-
-    def passes(self, rank: int, lane_batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-        """Cut one step of `rank`'s lane micro-batches into its `grad_accum_steps` passes.
-
-        Args:
-            lane_batches: one micro-batch per lane of `self.lanes(rank)`, in order; each
-                `tokens` int64 (m, seq_len + 1), `sample_id` int64 (m,).
-        Returns:
-            `grad_accum_steps` dicts with the same keys and n rows each, n = the pass's share of
-            the span (differing by at most one between passes; 0 for a zero-weight pass).
-        """
-        lo, hi = self.span(rank)
-        offset = self.lanes(rank)[0] * self.micro_batch_size
-        out: list[dict[str, torch.Tensor]] = [{} for _ in range(self.grad_accum_steps)]
-        for key in lane_batches[0]:
-            span = torch.cat([mb[key] for mb in lane_batches])[lo - offset : hi - offset]
-            for i, part in enumerate(torch.tensor_split(span, self.grad_accum_steps)):
-                out[i][key] = part
-        return out
 
 
 def check_world_sizes(global_batch_size: int, micro_batch_size: int, world_sizes: range) -> None:

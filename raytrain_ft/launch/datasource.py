@@ -4,7 +4,9 @@
 lanes, `raytrain_ft.data.order`) into read tasks of consecutive pieces: a row group is read only by
 the ranks whose spans its lane holds (one when the world size divides the lanes).
 `rank_micro_batches` streams the blocks in order with prefetch and assembles them into this rank's
-micro-batches.
+micro-batches (numpy arrays). The read tasks unpickle this module and `raytrain_ft.data.order`: neither
+imports torch, which a read task's worker process would import for nothing (about 1 s of CPU and
+200 MB, on every worker group start).
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from functools import partial
 
+import numpy as np
 import ray.data
-import torch
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
@@ -71,13 +73,12 @@ def rank_datasource(
 
 def rank_micro_batches(
     path: str, manifest: Manifest, seed: int, epoch: int, start: int, stop: int, plan: BatchPlan, rank: int
-) -> Iterator[dict[str, torch.Tensor]]:
-    """This rank's micro-batches of steps [start, stop) of `epoch`, read with Ray Data."""
+) -> Iterator[dict[str, np.ndarray]]:
+    """This rank's micro-batches of steps [start, stop) of `epoch`, read with Ray Data (`EpochOrder.micro_batches`)."""
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False  # per-worker bars flood the job log
     source = rank_datasource(path, manifest, seed, epoch, start, stop, plan, rank)
     ds = ray.data.read_datasource(source, num_cpus=READ_CPUS, concurrency=READ_CONCURRENCY)
     tables = ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=PREFETCH_BLOCKS)
-    for mb in source.order.micro_batches(plan.lanes(rank), start, stop, tables):
-        yield {k: torch.from_numpy(v) for k, v in mb.items()}
+    return source.order.micro_batches(plan.lanes(rank), start, stop, tables)

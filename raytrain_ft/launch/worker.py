@@ -6,9 +6,9 @@ import logging
 import os
 from collections.abc import Iterator
 
+import numpy as np
 import ray
 import ray.train
-import torch
 from ray.train import Checkpoint, CheckpointUploadMode
 
 from raytrain_ft import loop
@@ -108,7 +108,7 @@ class RaySession:
 
     def micro_batches(
         self, epoch: int, start: int, stop: int, plan: BatchPlan, rank: int
-    ) -> Iterator[dict[str, torch.Tensor]]:
+    ) -> Iterator[dict[str, np.ndarray]]:
         return rank_micro_batches(self.data_path, self.manifest, self.seed, epoch, start, stop, plan, rank)
 
 

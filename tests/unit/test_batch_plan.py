@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from raytrain_ft.data.batches import split_passes
 from raytrain_ft.data.position import BatchPlan, check_world_sizes
 from raytrain_ft.errors import ConfigError
 
@@ -27,7 +28,7 @@ def test_every_world_size_up_to_one_past_the_lanes_deals_the_global_batch_exactl
         plan = BatchPlan(g, m, w)
         seen, passes_per_rank = [], set()
         for rank in range(w):
-            passes = plan.passes(rank, [lanes[j] for j in plan.lanes(rank)])
+            passes = split_passes(plan, rank, [lanes[j] for j in plan.lanes(rank)])
             passes_per_rank.add(len(passes))
             share = torch.cat([p["sample_id"] for p in passes]).tolist()
             assert len(share) in (g // w, math.ceil(g / w))  # floor or ceil of the share
@@ -43,7 +44,9 @@ def test_every_world_size_up_to_one_past_the_lanes_deals_the_global_batch_exactl
 def test_uneven_split_of_8_over_3_ranks_with_micro_batch_2():
     plan = BatchPlan(8, 2, 3)
     lanes = step_of(8, 2)
-    got = [[p["sample_id"].tolist() for p in plan.passes(r, [lanes[j] for j in plan.lanes(r)])] for r in range(3)]
+    got = [
+        [p["sample_id"].tolist() for p in split_passes(plan, r, [lanes[j] for j in plan.lanes(r)])] for r in range(3)
+    ]
     assert got == [[[100], [101]], [[102, 103], [104]], [[105, 106], [107]]]
     assert [plan.lanes(r) for r in range(3)] == [[0], [1, 2], [2, 3]]  # lane 2 straddles ranks 1 and 2
     assert plan.batch_balance == pytest.approx(8 / 9)
@@ -52,7 +55,7 @@ def test_uneven_split_of_8_over_3_ranks_with_micro_batch_2():
 def test_a_rank_with_fewer_sequences_than_passes_gets_an_empty_pass():
     plan = BatchPlan(5, 1, 2)  # shares 2 and 3, 3 passes of one sequence
     lanes = step_of(5, 1)
-    sizes = [[len(p["sample_id"]) for p in plan.passes(r, [lanes[j] for j in plan.lanes(r)])] for r in range(2)]
+    sizes = [[len(p["sample_id"]) for p in split_passes(plan, r, [lanes[j] for j in plan.lanes(r)])] for r in range(2)]
     assert sizes == [[1, 1, 0], [1, 1, 1]]  # spans [0, 2) and [2, 5)
     assert plan.pass_weight(0) == 0.0
 

@@ -4,6 +4,8 @@
   the run folder and the telemetry run without Ray (`torchrun`, `raytrain-ft check`, the benchmarks).
 - Ray's private names (`ray.*._internal`, or an underscored name imported from Ray) only in
   `raytrain_ft/launch/ray_internals.py`, the one adapter that says why each is needed.
+- No torch in what Ray Data's read tasks unpickle (`raytrain_ft.launch.datasource` and the
+  modules it imports): each read task's worker process would import it for nothing.
 """
 
 from __future__ import annotations
@@ -62,3 +64,35 @@ def test_the_checks_see_function_level_imports(tmp_path):
         (2, "ray.data"),
         (3, "ray.train.v2._internal.x"),
     ]
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module `path` imports, at any depth (relative imports excluded: the package uses none)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+    return found
+
+
+def closure(module: str) -> set[str]:
+    """`module` and every module it imports, following the package's own modules transitively."""
+    seen, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        path = Path(REPO, *name.split(".")).with_suffix(".py")
+        if name.startswith("raytrain_ft.") and path.exists():
+            todo += sorted(imports_of(path))
+    return seen
+
+
+def test_ray_datas_read_tasks_import_no_torch():
+    loaded = closure("raytrain_ft.launch.datasource")
+    assert "raytrain_ft.data.order" in loaded  # what a read task's EpochOrder needs
+    heavy = sorted(m for m in loaded if m.split(".")[0] in ("torch", "transformers", "torchft"))
+    assert not heavy, f"a Ray Data read task imports {heavy}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from raytrain_ft.data.batches import split_passes
 from raytrain_ft.data.position import BatchPlan, DataPosition
 from raytrain_ft.hooks import StepResult
 from raytrain_ft.resilience.rebalance import Rebalance, proportional_split, rebalanced
@@ -31,7 +32,7 @@ def test_a_rebalanced_plan_trains_the_same_global_batch_once_with_the_same_weigh
     ]
     ids = []
     for r in range(3):
-        passes = split.passes(r, [lanes[i] for i in split.lanes(r)])
+        passes = split_passes(split, r, [lanes[i] for i in split.lanes(r)])
         assert len(passes) == split.grad_accum_steps  # the same passes on every rank: DDP's collectives match
         ids += torch.cat([p["sample_id"] for p in passes]).tolist()
     assert ids == list(range(12))  # every sequence of the step once, in lane order
