@@ -337,10 +337,13 @@ def plain(
     recoveries = []
     for kill in done:
         after = [(kind, t - kill["killed_at"]) for kind, t in stamps if t > kill["killed_at"]]
+        restored = next(t for kind, t in after if kind == "restored")
         phases = {
             "workers_started": kill["workers_started_at"] - kill["killed_at"],
-            "state_restored": next(t for kind, t in after if kind == "restored"),
-            "first_step_done": next(t for kind, t in after if kind.startswith("step")),
+            "state_restored": restored,
+            # the restarted group's first step: rank 0 of the killed group may still stamp a step
+            # it finished just after its peer's SIGKILL
+            "first_step_done": next(t for kind, t in after if kind.startswith("step") and t > restored),
         }
         recoveries.append({**kill, "phases_s": phases})
     return {"missed_kills": kills - len(done), "recoveries": recoveries}
