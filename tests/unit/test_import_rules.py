@@ -19,16 +19,21 @@ PACKAGE = Path(REPO, "raytrain_ft")
 ADAPTER = PACKAGE / "launch" / "ray_internals.py"
 
 
-def ray_imports(path: Path) -> list[tuple[int, str, list[str]]]:
-    """(line, module, imported names) of every `import ray...` / `from ray... import` in `path`,
+def imports(path: Path) -> list[tuple[int, str, list[str]]]:
+    """(line, module, imported names) of every absolute `import ...` / `from ... import` in `path`,
     at any depth (function-level imports included)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, a.name, []) for a in node.names if a.name.split(".")[0] == "ray"]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "ray":
-            found.append((node.lineno, node.module or "", [a.name for a in node.names]))
+            found += [(node.lineno, a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module, [a.name for a in node.names]))
     return found
+
+
+def ray_imports(path: Path) -> list[tuple[int, str, list[str]]]:
+    """`imports(path)` of `ray` and `ray.*`."""
+    return [(line, module, names) for line, module, names in imports(path) if module.split(".")[0] == "ray"]
 
 
 def modules() -> list[Path]:
@@ -66,17 +71,6 @@ def test_the_checks_see_function_level_imports(tmp_path):
     ]
 
 
-def imports_of(path: Path) -> set[str]:
-    """Every module `path` imports, at any depth (relative imports excluded: the package uses none)."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module)
-    return found
-
-
 def closure(module: str) -> set[str]:
     """`module` and every module it imports, following the package's own modules transitively."""
     seen, todo = set(), [module]
@@ -87,7 +81,7 @@ def closure(module: str) -> set[str]:
         seen.add(name)
         path = Path(REPO, *name.split(".")).with_suffix(".py")
         if name.startswith("raytrain_ft.") and path.exists():
-            todo += sorted(imports_of(path))
+            todo += sorted({module for _, module, _ in imports(path)})
     return seen
 
 
