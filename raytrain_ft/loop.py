@@ -151,13 +151,9 @@ class Trainer(RunComponents):
         self.audit.flush()
         self.session.commit(step, step_path(self.session.run_root, step), {"step": step})
         self.recorder.committed(step)
-        if self.schedule.auto:
-            cp = self.checkpointer
-            planned = agreed_update(
-                self.schedule, cp.last_cost_s, cp.last_duration_s, self.beat.median_step_s, self.group
-            )
-            if planned:
-                self.recorder.metrics(step, planned)
+        planned = agreed_update(self.schedule, self.checkpointer, self.beat.median_step_s, self.group)
+        if planned:
+            self.recorder.metrics(step, planned)
         self.recorder.goodput(step, self.ledger.summary(time.time()))
         self.recorder.refresh_loss_plot()
 
@@ -226,7 +222,9 @@ class Trainer(RunComponents):
         )
         self.checks.monitor(step, local_loss, grad_norm, before_save)
         if self.guard.consecutive >= self.cfg.guards.spike.max_consecutive_skips:
-            self.rollback(step)
+            self.after_commit(self.checkpointer.wait())  # a rollback reloads with no save in flight
+            self.roll_back(step, self.guard.consecutive)
+            self.schedule.saved(self.progress.step)
         else:
             self.after_commit(self.checkpointer.poll())
             self.maybe_save(step, leaving)
@@ -260,16 +258,3 @@ class Trainer(RunComponents):
         self.after_commit(self.checkpointer.wait())
         self.session.flush()
         self.recorder.registered()
-
-    def rollback(self, step: int) -> None:
-        """Persistent spikes: reload the last checkpoint before the streak and skip a data window
-        (`raytrain_ft.resilience.rollback`); drop what the discarded steps left."""
-        self.after_commit(self.checkpointer.wait())
-        event, history = self.roll_back(step, self.guard.consecutive)
-        self.audit.discard_after(self.progress.step)
-        self.step_recorder.discard_after(self.progress.step)
-        self.schedule.saved(self.progress.step)
-        self.step_recorder.event("rollback", **event)
-        self.step_recorder.metrics(step, {"rollbacks": len(self.rollbacks.rollbacks)})
-        # the reloaded ledger ends at the checkpoint: account for the discarded steps and the reload
-        self.ledger.add_gap(history.events, time.time(), fresh=False)

@@ -129,7 +129,9 @@ class RunComponents:
 
         self.checkpointer = Checkpointer(session.run_root, cfg.failure.collective_timeout_s)
         self.group = self.checkpointer.control_group  # CPU gloo group for guard collectives
-        self.roll_back = Rollback(cfg, self.manifest, self.plan, self.checkpointer, self.state, session)
+        self.roll_back = Rollback(
+            cfg, self.manifest, self.plan, self.checkpointer, self.state, session, self.step_recorder, self.ledger
+        )
         self.checks = RankChecks(cfg.guards, self.par, members, self.step_recorder, settle)
         self.validation = Validation(
             cfg.validation, cfg.data.path, self.manifest, self.plan, self.rank, self.par, self.group, self.device

@@ -156,3 +156,7 @@ def test_persistent_spikes_roll_back_and_skip_the_data_window(tmp_path, dataset)
     assert len(ids[steps > 74]) == len(set(ids[steps > 74].tolist()))  # still exactly once within epoch 1
     record = json.loads(json.dumps(rollbacks[0]))
     assert record["skipped_steps"] == 10
+    # one value per step on the kept timeline; the rolled-back steps' first values are under train_discarded/
+    client = MlflowClient(cfg.tracking.uri)
+    assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == list(range(1, 131))
+    assert sorted(m.step for m in client.get_metric_history(run_id, "train_discarded/loss")) == list(range(116, 125))

@@ -22,12 +22,16 @@ from __future__ import annotations
 import math
 import time
 from numbers import Real
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from raytrain_ft.config import Config
+
+if TYPE_CHECKING:
+    from raytrain_ft.checkpoint.checkpointer import Checkpointer
 
 SECONDS_PER_HOUR = 3600.0
 
@@ -253,10 +257,14 @@ def auto_schedule(
 
 
 def agreed_update(
-    schedule: CheckpointSchedule, cost_s: float, save_s: float, step_time_s: float, group: dist.ProcessGroup
+    schedule: CheckpointSchedule, checkpointer: Checkpointer, step_time_s: float, group: dist.ProcessGroup
 ) -> dict[str, float]:
-    """`schedule.update` with the slowest rank's figures (an all-reduce MAX over `group`, a
-    collective: every rank plans the same interval); returns what to log."""
-    measured = torch.tensor([cost_s, save_s, step_time_s])
+    """After a commit: `schedule.update` with the slowest rank's figures, the checkpointer's last
+    save (`last_cost_s`, `last_duration_s`) and `step_time_s` (an all-reduce MAX over `group`, a
+    collective: every rank plans the same interval); returns what to log. A fixed interval
+    (`schedule.auto` false on every rank) returns {} at once, without the collective."""
+    if not schedule.auto:
+        return {}
+    measured = torch.tensor([checkpointer.last_cost_s, checkpointer.last_duration_s, step_time_s])
     dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
     return schedule.update(*measured.tolist())

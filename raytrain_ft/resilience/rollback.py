@@ -8,8 +8,9 @@ before the streak's first skip and advances the data position past `guards.spike
 global batches, the ones the streak would have trained again (the PaLM recipe: restart from a
 checkpoint about 100 steps before the spike and skip 200-500 batches; Chowdhery et al. 2022, sec.
 5.1). The skipped sample ids are kept in the checkpointed `RollbackLog`, so the data order after a
-rollback is part of the run's record. What the loop discards around it (audited steps, recorded
-timeline, goodput) is the loop's.
+rollback is part of the run's record. `Rollback` also moves the discarded steps' recorded values to
+`train_discarded/` and accounts their seconds and the reload as a gap in the goodput ledger (the
+data audit needs nothing: it replaces a step recorded again, `DataAudit.record`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from raytrain_ft.data.manifest import Manifest
 from raytrain_ft.data.order import steps_per_epoch, window_sample_ids
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.resilience.guards import NoRollbackTargetError
-from raytrain_ft.resilience.recovery import RunHistory
 from raytrain_ft.run_folder import complete_steps, step_path
 from raytrain_ft.session import Session
+from raytrain_ft.telemetry.goodput import GoodputLedger
+from raytrain_ft.telemetry.recorder import Recorder
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,9 @@ class Rollback:
 
     `state` (`raytrain_ft.checkpoint.train_state.run_state`) holds the live `Progress`,
     `DataPosition` and `RollbackLog` the loop reads: the reload restores the first two in place; the
-    rollback log is kept out of the reload (it outlives it) and gains the rollback's record."""
+    rollback log is kept out of the reload (it outlives it) and gains the rollback's record.
+    `recorder` moves the steps after the reloaded one to `train_discarded/`; `ledger` (reloaded with
+    the state) gains their seconds and the reload's."""
 
     def __init__(
         self,
@@ -46,8 +50,11 @@ class Rollback:
         checkpointer: Checkpointer,
         state: TrainState,
         session: Session,
+        recorder: Recorder,
+        ledger: GoodputLedger,
     ):
         self.cfg, self.manifest, self.plan = cfg, manifest, plan
+        self.recorder, self.ledger = recorder, ledger
         self.steps_per_epoch = steps_per_epoch(manifest, plan.global_batch_size, plan.micro_batch_size)
         self.checkpointer, self.state, self.session = checkpointer, state, session
         self.progress, self.position, self.rollbacks = (self._live(k) for k in (KEY_PROGRESS, KEY_DATA, KEY_ROLLBACKS))
@@ -57,11 +64,11 @@ class Rollback:
         assert isinstance(component, Pickled), key
         return component.obj
 
-    def __call__(self, step: int, consecutive: int) -> tuple[dict, RunHistory]:
+    def __call__(self, step: int, consecutive: int) -> None:
         """Roll back after `consecutive` skipped steps ending at `step` (no save in flight: the
-        caller settled it). Returns the `rollback` event (recorded in the run's history; fields
-        `at_step`, `to_step`, `skipped_steps`, `skipped_sample_ids`, `time` and
-        `restore_started_at`, unix seconds) and the history as read before it.
+        caller settled it). Records the `rollback` event (in the run's history and by `recorder`;
+        fields `at_step`, `to_step`, `skipped_steps`, `skipped_sample_ids`, `time` and
+        `restore_started_at`, unix seconds) and the `rollbacks` metric at `step`.
 
         Raises:
             NoRollbackTargetError: no complete checkpoint of a step before the streak.
@@ -99,4 +106,8 @@ class Rollback:
         )
         event = {"time": time.time(), **record, "restore_started_at": restore_started_at}
         history.record({"kind": "rollback", **event})
-        return event, history
+        self.recorder.discard_after(self.progress.step)
+        self.recorder.event("rollback", **event)
+        self.recorder.metrics(step, {"rollbacks": len(self.rollbacks.rollbacks)})
+        # the reloaded ledger ends at the checkpoint: account for the discarded steps and the reload
+        self.ledger.add_gap(history.events, time.time(), fresh=False)
