@@ -40,6 +40,7 @@ from raytrain_ft.schedule import lr_schedule
 from raytrain_ft.telemetry.tracking import MlflowRecorder
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(REPO, "tests")
 STDLIB_JSON = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
 
 
@@ -72,7 +73,12 @@ def run_scenario(script: str, *args: str, timeout_s: float = 900) -> dict:
         capture_output=True,
         text=True,
         timeout=timeout_s,
-        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+        # tests/ on the path: a scenario imports its siblings as `scenarios.<name>`, as the tests do
+        env={
+            **os.environ,
+            "RAY_AUTH_MODE": "disabled",
+            "PYTHONPATH": os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])),
+        },
     )
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(next(line for line in reversed(r.stdout.splitlines()) if line.startswith("{")))

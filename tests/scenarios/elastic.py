@@ -20,6 +20,7 @@ from pathlib import Path
 import ray
 from mlflow.tracking import MlflowClient
 from ray.cluster_utils import Cluster
+from scenarios.local_cluster import HEAD_NODE_ARGS
 
 from raytrain_ft.config import Config, load_config
 from raytrain_ft.launch.driver import WORKER_ENV, run
@@ -65,7 +66,7 @@ def elastic_config(dataset: str, workdir: str) -> Config:
 def main(dataset: str, workdir: str) -> None:
     env = WORKER_ENV
     os.environ.update(env)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster = Cluster(initialize_head=True, head_node_args=HEAD_NODE_ARGS)
     cluster.add_node(num_cpus=1)
     worker_node = cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address, runtime_env={"env_vars": env}, log_to_driver=False)

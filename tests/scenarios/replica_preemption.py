@@ -23,6 +23,7 @@ from pathlib import Path
 
 import ray
 from ray.cluster_utils import Cluster
+from scenarios.local_cluster import HEAD_NODE_ARGS
 
 from raytrain_ft.config import Config, load_config
 from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV, run
@@ -69,7 +70,7 @@ def wait(what: str, condition, trainer: threading.Thread, timeout_s: float = 300
 
 def main(dataset: str, workdir: str) -> None:
     os.environ.update({**RAY_NODE_ENV, **WORKER_ENV})
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster = Cluster(initialize_head=True, head_node_args=HEAD_NODE_ARGS)
     worker_node = cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address, runtime_env={"env_vars": WORKER_ENV}, log_to_driver=False)
     cfg = replica_preemption_config(dataset, workdir)
