@@ -18,6 +18,7 @@ def test_history_and_runs_print_one_json_object_with_the_rows_and_the_events(tmp
     recorder.event("attempt_start", resumed_from=0, world_size=3)
     recorder.event("straggler", step=17, rank=1, node="n1", factor=2.01, first_step=11, action="warn")
     MlflowClient(uri).log_metric(run_id, "goodput", 0.9, step=0)
+    assert recorder.drain(30.0)  # events are sent in the background: the store has them before the CLI reads
 
     assert main(["history", "demo", "--json", "--tracking-uri", uri]) == 0
     report = json.loads(capsys.readouterr().out)
