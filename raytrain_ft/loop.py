@@ -183,9 +183,7 @@ class Trainer(RunComponents):
         self.members.reduce(self.par)  # replicas: their gradients averaged over the step's participants
         grad_norm = self.par.clip_grad_norm_(self.cfg.train.grad_clip)
         skip, median = self.guard.judge(grad_norm)
-        # SUM of the members' losses (the global mean loss x members); one skip decision for all of
-        # them; whether the saver may save after this step (then every member runs the fingerprint);
-        # how many members' nodes are drained for preemption
+        # the members' loss SUM, one skip decision, the fingerprint before a save, drained members (`Agreement`)
         may_save = self.members.saves and (self.save_due or self.schedule.due(step) or step == self.cfg.train.max_steps)
         loss_sum, skip, before_save, leaving, figures = self.members.agree(
             step, weighted, skip, may_save, self.preemption.take(), self.compute.seconds
@@ -204,22 +202,9 @@ class Trainer(RunComponents):
         self.position.advance(self.plan.global_batch_size, self.steps_per_epoch)
         val = self.validation.maybe_run(step)  # every rank (collectives); empty when not due
         loss, stall_s = loss_sum / share.plan.world_size, self.checkpointer.take_stall_s()
-        self.hooks.after_optimizer_step(
-            StepResult(
-                step,
-                loss,
-                grad_norm,
-                skip,
-                median,
-                stall_s,
-                val.metrics,
-                val.seconds,
-                self.members.recovering_s,
-                share.plan.world_size,
-                figures,
-                share.plan.shares,
-            )
-        )
+        members_figures = (self.members.recovering_s, share.plan.world_size, figures, share.plan.shares)
+        result = StepResult(step, loss, grad_norm, skip, median, stall_s, val.metrics, val.seconds, *members_figures)
+        self.hooks.after_optimizer_step(result)
         self.checks.monitor(step, local_loss, grad_norm, before_save)
         if self.guard.consecutive >= self.cfg.guards.spike.max_consecutive_skips:
             self.after_commit(self.checkpointer.wait())  # a rollback reloads with no save in flight
@@ -231,11 +216,9 @@ class Trainer(RunComponents):
         self.hooks.after_step(step)
 
     def maybe_save(self, step: int, leaving: int) -> None:
-        """Periodic and final saves (none while a skip streak is on), and the just-in-time save before
-        members leave (`raytrain_ft.resilience.leaving`: `leaving` members hold a drain notice, those
-        `StragglerMonitor.excluded` lists are excluded stragglers): the members that keep the step
-        durable save it (unless this step's periodic save is in flight), then `leave` (`self.ended`:
-        restart recovery's whole attempt ends)."""
+        """Periodic and final saves (none during a skip streak); before members leave (`leaving` hold a
+        drain notice; `StragglerMonitor.excluded`), the just-in-time save of the members that keep the
+        step durable, then `raytrain_ft.resilience.leaving.leave` (`self.ended`: the attempt ends)."""
         # auto: never start a save while the previous one is still writing (writes must not queue)
         self.save_due |= self.schedule.due(step) and not (self.schedule.auto and self.checkpointer.pending)
         final = step == self.cfg.train.max_steps
