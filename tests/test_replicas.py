@@ -2,9 +2,10 @@
 during a durable checkpoint's write, and all at once, plus a NaN on one replica, in ONE run; the run
 keeps the project's guarantees per committed step.
 
-Two replicas (2 CPU workers, gloo, the tiny preset), a checkpoint every 4 steps, every step at least
-1 s (a `slow` fault, every pass) so the survivor is still training when Ray Train's replacement
-arrives and heals from it. In order (the seed, `REPLICA_SEED`, picks the moments):
+Two replicas (2 CPU workers, gloo, the tiny preset), a checkpoint every 4 steps, every step from
+`hold_step` on at least 1 s (a `slow` fault, every pass) so the survivor is still training when Ray
+Train's replacement arrives and heals from it, and the run is still training when the test kills
+both replicas. In order (the seed, `REPLICA_SEED`, picks the moments):
 
 1. step `NAN_STEP`: replica 1's loss is NaN (a `nan` fault): every replica must skip that step;
 2. step `hold_step`: replica 1 holds before its gradient reduction (a `hold_reduce` fault, marker
@@ -96,7 +97,7 @@ def test_replicas_killed_in_the_all_reduce_in_a_save_and_all_at_once_keep_every_
     rng = random.Random(SEED)
     hold_step, kill_into_hold_s, resume_step = rng.randint(10, 12), rng.uniform(0.3, 2.5), rng.choice([36, 40])
     faults = [
-        f"{{kind: slow, step: 1, steps: {STEPS}, rank: -1, seconds: 1.0}}",
+        f"{{kind: slow, step: {hold_step}, steps: {STEPS - hold_step + 1}, rank: -1, seconds: 1.0}}",
         NAN,
         f"{{kind: hold_reduce, step: {hold_step}, rank: 1, seconds: {HOLD_S}}}",
         f"{{kind: kill, at: save, step: {SAVE_KILL_STEP}, rank: 0}}",
