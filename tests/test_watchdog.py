@@ -107,7 +107,7 @@ def test_a_worker_frozen_in_a_collective_at_a_start_and_in_a_save_is_stopped_and
 # is forced by the bound, not won in a race. Its step bound leaves room for a slow step plus the
 # lighthouse's join window (`waits.LIGHTHOUSE_JOIN_S`, 10 s), which the survivor's quorum may wait
 # once the replacement's Manager is up and before it asks to join.
-FREEZE_STEP, SLOW_S, REPLICA_STEP_BOUND_S, REPLICA_START_BOUND_S = 6, 4.0, 20, 30
+FREEZE_STEP, SLOW_S, REPLICA_STEP_BOUND_S, REPLICA_START_BOUND_S = 6, 4.0, 20, 20
 SLOW_STEPS = int(REPLICA_START_BOUND_S / SLOW_S) + 5  # the start bound plus 20 s of Ray's replacement
 REPLICA_STEPS = FREEZE_STEP + SLOW_STEPS + 2
 
