@@ -1,5 +1,6 @@
 """Ray Train controller callbacks: acknowledge commits (`CommitAcknowledger`); record each worker-group failure
-in the run history and hand a worker lost while the group is set up to the driver (`FailureRecorder`)."""
+in the run history and hand a worker lost while the group is set up to the driver (`FailureRecorder`);
+tell the driver's progress watchdog which processes to watch (`WatchRanks`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from raytrain_ft.launch.ray_internals import (
     ErroredState,
     ReschedulingState,
     RestartingState,
+    WorkerGroupCallback,
     WorkerGroupStartupFailedError,
     WorkerGroupStartupTimeoutError,
 )
@@ -213,3 +215,23 @@ class FailureRecorder(ControllerCallback):
         """{rank: cause} of the ranks the progress watchdog stopped (`launch.progress_watchdog`): their
         cause is the stall, not the SIGKILL that ended them."""
         return {} if self.watchdog is None else stopped_causes(self.watchdog)
+
+
+class WatchRanks(WorkerGroupCallback):
+    """Runs in Ray Train's controller: the ranks, pids and nodes of every worker process Ray Train
+    creates go to the `ProgressWatchdog` before their train context is initialized (a group start, a
+    replica's replacement); a shutdown or abort of the group stops the watch."""
+
+    def __init__(self, watchdog: ray.actor.ActorHandle):
+        self.watchdog = watchdog
+
+    def before_init_train_context(self, workers) -> dict:
+        ranks = {w.distributed_context.world_rank: (w.metadata.pid, w.metadata.node_id) for w in workers}
+        self.watchdog.watch.remote(ranks)
+        return {}
+
+    def before_worker_group_shutdown(self, worker_group) -> None:
+        self.watchdog.stop.remote()
+
+    def before_worker_group_abort(self, worker_group_context) -> None:
+        self.watchdog.stop.remote()

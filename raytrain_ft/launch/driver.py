@@ -17,9 +17,9 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from raytrain_ft.config import Config, to_dict
 from raytrain_ft.errors import UserError, find_user_error
 from raytrain_ft.launch import progress_watchdog
-from raytrain_ft.launch.callbacks import CommitAcknowledger, FailureRecorder, describe, plain_cause
+from raytrain_ft.launch.callbacks import CommitAcknowledger, FailureRecorder, WatchRanks, describe, plain_cause
 from raytrain_ft.launch.group_start import START_TIMEOUT_ENV, StartCleaner, baseline_resources
-from raytrain_ft.launch.progress_watchdog import WatchRanks, start_watchdog
+from raytrain_ft.launch.progress_watchdog import start_watchdog
 from raytrain_ft.launch.recorder_actor import RemoteRecorder, close, start_recorder_actor
 from raytrain_ft.launch.start_faults import StartFaultConfig, StartFaults
 from raytrain_ft.launch.tracking_server import lasting_path, tracking_store

@@ -9,10 +9,11 @@ Pieces, all started by the driver (`raytrain_ft.launch.driver`):
   own. It is an actor, not a thread in the driver process, because the workers and Ray Train's
   controller must reach it, and not a controller callback, because the controller blocks in the
   worker group's start, the moment a frozen rank stalls first.
-* `WatchRanks`, a Ray Train worker-group callback (it runs in the controller): every time Ray
-  Train creates worker processes (a group start, a replica's replacement) it tells the watchdog their
-  ranks, pids and nodes, before their train context exists; when the group shuts down, it stops the
-  watch.
+* `launch.callbacks.WatchRanks`, a Ray Train worker-group callback (it runs in the controller):
+  every time Ray Train creates worker processes (a group start, a replica's replacement) it tells
+  the watchdog their ranks, pids and nodes, before their train context exists; when the group shuts
+  down, it stops the watch. It lives there, not here: this module is what the watchdog actor's
+  process imports, and Ray Train's callback classes would bring torch with them (~2 s of CPU per run).
 * `probe` and `stop_process`, Ray tasks (0 CPU) pinned to a worker's node: `py-spy dump --nonblocking
   --pid` (what `ray stack` runs; without `--nonblocking` py-spy fails on a stopped process) and the
   process state from `/proc/<pid>/stat`; SIGKILL.
@@ -43,7 +44,6 @@ import fsspec
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raytrain_ft.launch.ray_internals import WorkerGroupCallback
 from raytrain_ft.launch.recorder_actor import RemoteRecorder
 from raytrain_ft.resilience.watchdog import Progress, Stall
 from raytrain_ft.run_folder import stacks_path
@@ -183,26 +183,6 @@ class ProgressWatchdog:
         print(line, file=sys.stderr, flush=True)
         for r in ranks:
             stop_process.options(scheduling_strategy=_on(watched[r].node_id)).remote(watched[r].pid)
-
-
-class WatchRanks(WorkerGroupCallback):
-    """Runs in Ray Train's controller: the ranks, pids and nodes of every worker process Ray Train
-    creates go to the `ProgressWatchdog` before their train context is initialized (a group start, a
-    replica's replacement); a shutdown or abort of the group stops the watch."""
-
-    def __init__(self, watchdog: ray.actor.ActorHandle):
-        self.watchdog = watchdog
-
-    def before_init_train_context(self, workers) -> dict:
-        ranks = {w.distributed_context.world_rank: (w.metadata.pid, w.metadata.node_id) for w in workers}
-        self.watchdog.watch.remote(ranks)
-        return {}
-
-    def before_worker_group_shutdown(self, worker_group) -> None:
-        self.watchdog.stop.remote()
-
-    def before_worker_group_abort(self, worker_group_context) -> None:
-        self.watchdog.stop.remote()
 
 
 def start_watchdog(

@@ -13,7 +13,7 @@ other module off `ray.*._internal` and the underscored names):
   `WorkerGroupStartupTimeoutError`: a start that found no resources in time (`launch.callbacks.start_timed_out`).
 - `WorkerGroupCallback` and `RunningState`: the hooks around a worker-group start (before its setup,
   at its shutdown or abort) and the state in which the controller holds a started group, which
-  `launch.group_start.StartCleaner`, `launch.start_faults` and `launch.progress_watchdog.WatchRanks` use.
+  `launch.group_start.StartCleaner`, `launch.start_faults` and `launch.callbacks.WatchRanks` use.
 - `_TorchBackend`: Ray Train's torch backend, whose process-group setup `launch.start_faults` extends
   to fail a worker inside it (the `kill_in_setup` fault).
 - `ReplicaGroup` and `_TorchftBackend`: the backend of the public `TorchftConfig`, extended to tell

@@ -5,7 +5,8 @@
 - Ray's private names (`ray.*._internal`, or an underscored name imported from Ray) only in
   `raytrain_ft/launch/ray_internals.py`, the one adapter that says why each is needed.
 - No torch in what Ray Data's read tasks unpickle (`raytrain_ft.launch.datasource` and the
-  modules it imports): each read task's worker process would import it for nothing.
+  modules it imports): each read task's worker process would import it for nothing. The same for
+  the driver's own actors (`ProgressWatchdog`, `RecorderActor`): one process each per run.
 """
 
 from __future__ import annotations
@@ -85,8 +86,20 @@ def closure(module: str) -> set[str]:
     return seen
 
 
+def torch_in(module: str) -> list[str]:
+    """What brings torch into `module`'s process: torch, transformers or torchft themselves, or
+    `launch.ray_internals` (Ray Train's torch backends, `ray.train.torch`, import torch)."""
+    loaded = closure(module)
+    heavy = {m for m in loaded if m.split(".")[0] in ("torch", "transformers", "torchft")}
+    return sorted(heavy | ({"raytrain_ft.launch.ray_internals"} & loaded))
+
+
 def test_ray_datas_read_tasks_import_no_torch():
-    loaded = closure("raytrain_ft.launch.datasource")
-    assert "raytrain_ft.data.order" in loaded  # what a read task's EpochOrder needs
-    heavy = sorted(m for m in loaded if m.split(".")[0] in ("torch", "transformers", "torchft"))
-    assert not heavy, f"a Ray Data read task imports {heavy}"
+    assert "raytrain_ft.data.order" in closure("raytrain_ft.launch.datasource")  # what a read task's EpochOrder needs
+    assert torch_in("raytrain_ft.launch.datasource") == []
+
+
+def test_the_drivers_actors_import_no_torch():
+    for actor_module in ("raytrain_ft.launch.progress_watchdog", "raytrain_ft.launch.recorder_actor"):
+        assert torch_in(actor_module) == [], actor_module
+    assert torch_in("raytrain_ft.launch.callbacks") == ["raytrain_ft.launch.ray_internals"]  # the check sees it
