@@ -48,7 +48,7 @@ def replica_preemption_config(dataset: str, workdir: str) -> Config:
             "failure.recovery=replica",
             f"train.max_steps={STEPS}",
             # steps of a steady 0.5 s: the survivor still trains when the replacement arrives (it joined
-            # 11 s after the drained replica left, about step 26; the survivor trains alone for 20 s or more)
+            # 11-12 s after the drained replica left, at step 23-30; 55 steps leave room for about twice that)
             f"faults=[{{kind: slow, step: 1, steps: {STEPS}, seconds: 0.5, rank: -1}}]",
             "checkpoint.interval_steps=5",
             "scaling.cpus_per_worker=1",  # one replica per 1-CPU node

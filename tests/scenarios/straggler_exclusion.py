@@ -31,8 +31,8 @@ from raytrain_ft.run_folder import read_exclusions, run_root, worker_records
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SLOW_S, SLOW_STEPS, EXCLUDE_AFTER, PACE_S = 0.3, 14, 3, 0.5
-# replica: the replacement joined 8-9 s after the exclusion (about step 23); from there the survivor's
-# `PACE_S` steps leave it about 18 s more
+# replica: the replacement joined 8-12 s after the exclusion (step 22-24); from there the survivor's
+# `PACE_S` steps leave it about 13 s more
 STEPS = {"restart": 24, "replica": 50}
 WORKERS = {"restart": 3, "replica": 2}
 
