@@ -11,7 +11,9 @@ reader and default load planner, as before checksums):
       `wait_staged()` before the optimizer step. Also reported: the stall without overlap.
   (b) sync: `dcp.save` of the same state dict.
   (c) copy: one clone of every tensor of the state dict (the physical floor for a snapshot).
-  (d) restore: `Checkpointer.restore` of the last checkpoint into the live state (page cache warm).
+  (d) restore: `Checkpointer.restore` of the last checkpoint into the live state (page cache warm),
+      with torch's default intra-op threads (every core) and with one (a CPU training worker's:
+      the checksum thread then has a core of its own).
 
 Prints a JSON summary and writes it to benchmarks/results/checkpoint_stall.json.
 """
@@ -104,6 +106,7 @@ def main() -> None:
         "sync_save_s": c["sync"],
         "copy_s": c["copy"],
         "restore_s": c["restore"],
+        "restore_one_thread_s": c["restore_one_thread"],
         "stall_over_sync": c["stall"] / c["sync"],
         "stall_over_copy": c["stall"] / c["copy"],
         "stall_without_overlap_over_copy": c["stall_no_overlap"] / c["copy"],
@@ -111,10 +114,12 @@ def main() -> None:
             "stall_s": n["stall"],
             "sync_save_s": n["sync"],
             "restore_s": n["restore"],
+            "restore_one_thread_s": n["restore_one_thread"],
             "stall_over_sync": n["stall"] / n["sync"],
         },
         "sync_save_checksums_over_none": c["sync"] / n["sync"],
         "restore_checksums_over_none": c["restore"] / n["restore"],
+        "restore_one_thread_checksums_over_none": c["restore_one_thread"] / n["restore_one_thread"],
         "targets": {"stall_over_sync": 0.05, "stall_over_copy": 1.5, "restore_checksums_over_none": 1.15},
     }
     report(result, args.out)
@@ -140,9 +145,22 @@ def one_round(ckpt: Checkpointer, root: str, i: int, state: TrainState, work, wr
         torch.cuda.synchronize()
     copy = timed(lambda: [t.clone() for t in _tensors(state.snapshot())])
     restore = timed(lambda: ckpt.restore(state, [step_path(root, 2 * i + 1)], print))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a training worker's setting on CPU (Ray sets OMP_NUM_THREADS to its CPUs: 1 here)
+    try:
+        restore_one_thread = timed(lambda: ckpt.restore(state, [step_path(root, 2 * i + 1)], print))
+    finally:
+        torch.set_num_threads(threads)
     for step in (2 * i, 2 * i + 1, 1000 + i):
         shutil.rmtree(step_path(root, step))
-    return {"stall": stall, "stall_no_overlap": no_overlap, "sync": sync, "copy": copy, "restore": restore}
+    return {
+        "stall": stall,
+        "stall_no_overlap": no_overlap,
+        "sync": sync,
+        "copy": copy,
+        "restore": restore,
+        "restore_one_thread": restore_one_thread,
+    }
 
 
 def _tensors(tree):

@@ -11,7 +11,8 @@ Written by the writer, from the bytes as written, on the async save's write thre
   after `.metadata`; a checkpoint commits only after both (`raytrain_ft.checkpoint.checkpointer`).
 
 Read by `ChecksummedReader`: `.metadata` is verified before it is unpickled, each item's byte
-range (hashed in chunks, `_hash_range`) before DCP reads and deserialises it. A mismatch, a short
+range (hashed in chunks, `_hash_range`) before DCP reads and deserialises it; a thread hashes the
+items ahead of DCP, in DCP's order, so the hashing overlaps DCP's reading. A mismatch, a short
 read, a missing file or a missing checksum record raises `CorruptCheckpointError` naming the item;
 the restore falls back to an older checkpoint. `verify_checkpoint(path)` checks a whole checkpoint
 without a process group (the `raytrain-ft verify` command; export tools call it before converting).
@@ -24,7 +25,9 @@ import dataclasses
 import io
 import json
 import pickle
+import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future as HashFuture
 from typing import Any
 
 import fsspec
@@ -221,6 +224,7 @@ class ChecksummedReader(FsspecReader):
         self.checkpoint = str(path)
         self._record: dict | None = None
         self._metadata: Metadata | None = None
+        self._hashes: dict[tuple[str, int], HashFuture] = {}  # (file, offset) -> its range's hash, set by `_hash_ahead`
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         if kwargs.get("rank") is not None:  # DCP's fallback to per-rank metadata, which we never write
@@ -230,18 +234,47 @@ class ChecksummedReader(FsspecReader):
         return self._metadata
 
     def read_data(self, plan, planner):
+        # DCP reads file by file, each file's items in plan order: the hashing thread goes the same way
+        by_file: dict[str, list[_StorageInfo]] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            by_file.setdefault(info.relative_path, []).append(info)
+        self._hashes = {(i.relative_path, i.offset): HashFuture() for infos in by_file.values() for i in infos}
+        stop = threading.Event()
+        hasher = threading.Thread(target=self._hash_ahead, args=(by_file, stop), name="checksums", daemon=True)
+        hasher.start()
         try:
             return super().read_data(plan, planner)
         except FileNotFoundError as e:
             raise CorruptCheckpointError(f"{self.checkpoint}: missing file {e.filename or e}") from None
+        finally:
+            stop.set()
+            hasher.join()
+
+    def _hash_ahead(self, by_file: dict[str, list[_StorageInfo]], stop: threading.Event) -> None:
+        """Set each item's future to its range's hash (None: the file ends first), in DCP's read order;
+        an error (a missing file) goes to every future still unset, so no `_slice_file` waits on it."""
+        try:
+            for relative_path, infos in by_file.items():
+                with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as f:
+                    for info in infos:
+                        if stop.is_set():
+                            return
+                        self._hashes[(relative_path, info.offset)].set_result(_hash_range(f, info.offset, info.length))
+        except BaseException as e:  # handed to the reader's thread, which raises it from `_slice_file`
+            for future in self._hashes.values():
+                if not future.done():
+                    future.set_exception(e)
 
     def _slice_file(self, file, sinfo: _StorageInfo):
         assert self._metadata is not None and self._record is not None  # read_metadata runs before any read
         expected = self._record["items"].get(sinfo.relative_path, {}).get(str(sinfo.offset))
-        if expected != [sinfo.length, _hash_range(file, sinfo.offset, sinfo.length)]:
+        # the hashing thread read and hashed the range, one item ahead of here or more: DCP reads it again
+        # (the page cache, when local), only once it is verified
+        if expected != [sinfo.length, self._hashes[(sinfo.relative_path, sinfo.offset)].result()]:
             name = _item_name(self._metadata, sinfo.relative_path, sinfo.offset, sinfo.length)
             raise CorruptCheckpointError(f"{self.checkpoint}: {name} fails its checksum")
-        return super()._slice_file(file, sinfo)  # DCP reads the verified range again (page cache when local)
+        return super()._slice_file(file, sinfo)
 
 
 class CompleteLoadPlanner(DefaultLoadPlanner):

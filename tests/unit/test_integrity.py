@@ -7,6 +7,7 @@ of each item), as a disk or an object store would damage them.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import threading
 
@@ -118,6 +119,27 @@ def test_a_flipped_bit_makes_the_restore_fall_back_and_name_the_item(saved, dama
     [problem] = verify_checkpoint(newest)
     assert named in problem
     assert verify_checkpoint(step_path(root, 4)) == []
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_truncated_or_missing_data_file_makes_the_restore_fall_back_naming_it(saved, damage):
+    """The reader's hashing thread meets the damage first (it reads ahead of DCP): its error reaches
+    the restore as the named corruption, and nothing waits on a hash that never comes."""
+    root, states = saved
+    newest = step_path(root, 8)
+    name, offset, length = stored_item(newest, "optim.state.0.weight.exp_avg_sq")
+    if damage == "missing":
+        os.remove(f"{newest}/{name}")
+    else:  # cut inside the item: the bytes before it are intact
+        os.truncate(f"{newest}/{name}", offset + length // 2)
+    run = Run(seed=1)
+    loaded, corrupt = restore(root, run, [8, 4])
+    assert loaded == step_path(root, 4)
+    [(path, reason)] = corrupt
+    want = f"missing file {newest}/{name}" if damage == "missing" else f"exp_avg_sq ({name}, bytes {offset}-"
+    assert path == newest and want in reason, reason
+    assert_equal(run.tensors(), states[4][0])
+    assert run.position == states[4][1]
 
 
 def assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
