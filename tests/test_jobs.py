@@ -3,15 +3,18 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -89,21 +92,31 @@ def kill_session(sid: int) -> None:
 
 @pytest.fixture(scope="module")
 def head() -> Iterator[str]:
-    """A `ray start --head` (2 CPUs) for the module's jobs; yields its dashboard (job submission) address."""
-    gcs, dashboard, agent, agent_grpc, metrics = (free_port() for _ in range(5))
+    """A `ray start --head` (2 CPUs) for the module's jobs; yields its dashboard (job submission) address
+    once the head has run a job.
+
+    Only the dashboard's port is chosen here; Ray binds every other port itself (0), since a port
+    picked free here can be taken by a worker of the test session's own Ray before the head binds it.
+    Its own `--temp-dir` keeps it apart from that Ray's `/tmp/ray`. The dashboard answers before its
+    job agent has registered (Ray's submit then fails with "No available agent ... try again later"),
+    so the head is ready when a no-op job has succeeded, within 180 s, or the fixture fails with the
+    agent's log."""
+    dashboard = free_port()
+    temp_dir = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # short: Ray's socket paths live under it
     proc = subprocess.Popen(
         [
             os.path.join(BIN, "ray"),
             "start",
             "--head",
             "--block",
-            f"--port={gcs}",
+            "--port=0",
             "--num-cpus=2",
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={dashboard}",
-            f"--dashboard-agent-listen-port={agent}",  # the test session's own Ray holds the default ports
-            f"--dashboard-agent-grpc-port={agent_grpc}",
-            f"--metrics-export-port={metrics}",
+            "--dashboard-agent-listen-port=0",
+            "--dashboard-agent-grpc-port=0",
+            "--metrics-export-port=0",
+            f"--temp-dir={temp_dir}",
             "--disable-usage-stats",
         ],
         # the job drivers inherit it (PYTHONPATH included). RAY_JOB_STOP_WAIT_TIME_S: `ray job stop`'s
@@ -117,16 +130,27 @@ def head() -> Iterator[str]:
     )
     address = f"http://127.0.0.1:{dashboard}"
     try:
-        for _ in range(90):
-            try:
-                urllib.request.urlopen(f"{address}/api/version", timeout=2)
-                break
-            except OSError:
-                time.sleep(1)
+        wait_until_it_runs_a_job(address, temp_dir, timeout=180)
         yield address
     finally:
         kill_session(proc.pid)
         proc.wait()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def wait_until_it_runs_a_job(address: str, temp_dir: str, timeout: float) -> None:
+    deadline = time.time() + timeout
+    job = None
+    while job is None:
+        try:
+            job = JobSubmissionClient(address).submit_job(entrypoint="true")
+        except (OSError, RuntimeError):  # the dashboard is not up yet, or its job agent not registered
+            if time.time() > deadline:
+                logs = glob.glob(os.path.join(temp_dir, "session_*", "logs", "dashboard_agent.log"))
+                tail = Path(logs[0]).read_text()[-3000:] if logs else f"no dashboard_agent.log under {temp_dir}"
+                pytest.fail(f"the head at {address} accepted no job in {timeout:.0f} s; its agent's log:\n{tail}")
+            time.sleep(1)
+    assert wait_for_end(address, job, timeout=max(deadline - time.time(), 30)) == JobStatus.SUCCEEDED
 
 
 def ray_job(address: str, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
@@ -138,12 +162,7 @@ def ray_job(address: str, *args: str, timeout: float = 400) -> subprocess.Comple
 def submit(address: str, submission_id: str, args: list[str], *flags: str) -> subprocess.CompletedProcess:
     """`ray job submit --submission-id ID [FLAGS] -- python jobs/pretrain.py --config tiny.yaml ARGS`."""
     entrypoint = ["--", "python", PRETRAIN, "--config", TINY, *args]
-    for _ in range(30):  # the dashboard answers before its job agent is up: Ray says "try again later"
-        r = ray_job(address, "submit", "--submission-id", submission_id, *flags, *entrypoint)
-        if "No available agent to submit job" not in r.stdout + r.stderr:
-            return r
-        time.sleep(2)
-    return r
+    return ray_job(address, "submit", "--submission-id", submission_id, *flags, *entrypoint)
 
 
 def wait_for_commit(address: str, submission_id: str, snapshot, step: int) -> None:
