@@ -26,9 +26,21 @@ from raytrain_ft.loop import train
 from raytrain_ft.run_folder import run_root
 from raytrain_ft.telemetry.tracking import MlflowRecorder, finish_run, flatten, start_or_resume_run
 
-# Ranks fork from one server process that imported these once (`multiprocessing` "forkserver"):
-# a spawned rank would import torch, transformers and MLflow again, ~5 s of CPU per rank and attempt.
-multiprocessing.set_forkserver_preload(["local_run"])
+# Ranks fork from one server process that imported these once (`multiprocessing` "forkserver"): a
+# rank that imports them itself spends ~5 s of CPU per rank and attempt (a 30-step run took 8-9 s, 2.6 s
+# preloaded). Package modules only: the server is a fresh `python -c` in the current folder, and
+# CPython 3.11's `forkserver.main` does not apply the parent's `sys.path`, so a module of tests/ (this
+# one, preloaded here before) fails to import there and the preload is skipped without a word
+# (tests/test_local_run.py imports every name the way the server does). MLflow's SQL store is imported
+# at the first client of a `sqlite:` URI, not by `import mlflow`; the loss plot imports matplotlib.
+PRELOAD = [
+    "raytrain_ft.local_session",
+    "raytrain_ft.loop",
+    "raytrain_ft.telemetry.tracking",
+    "raytrain_ft.telemetry.plots",
+    "mlflow.store.tracking.sqlalchemy_store",
+]
+multiprocessing.set_forkserver_preload(PRELOAD)
 
 
 # after a rank failed, the others' own ending (their collective fails at once: the peer is gone) may
