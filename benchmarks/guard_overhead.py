@@ -31,7 +31,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from scipy import stats
 
 from raytrain_ft.config import load_config
@@ -41,7 +40,7 @@ from raytrain_ft.local_session import LocalSession
 from raytrain_ft.loop import Trainer, forward_backward
 from raytrain_ft.resilience.replicas import Share
 from raytrain_ft.telemetry.tracking import start_or_resume_run
-from report import default_out, report, scratch
+from report import default_out, report, scratch, spawn_ranks
 
 
 def bare_step(t: Trainer) -> None:
@@ -126,7 +125,7 @@ def main() -> None:
     uri = f"sqlite:///{tmp}/mlflow.db"
     run_id = start_or_resume_run(uri, "bench", os.path.join(tmp, "bench"), "bench", {})
     raw = os.path.join(tmp, "raw.json")
-    mp.spawn(worker, args=(args, cfg, uri, run_id, os.path.join(tmp, "store"), raw), nprocs=2)
+    spawn_ranks(worker, (args, cfg, uri, run_id, os.path.join(tmp, "store"), raw), 2, timeout_s=7200)
     with open(raw) as f:
         measured = json.load(f)
     warmup, rounds = measured[: args.warmup_rounds], measured[args.warmup_rounds :]

@@ -1,5 +1,5 @@
 """Shared by the benchmark scripts: print a result as JSON and as a Markdown table (docs/benchmarks.md), write
-the JSON under benchmarks/results/, and give scratch folders that are deleted at exit."""
+the JSON under benchmarks/results/, give scratch folders that are deleted at exit, and run ranks with a bound."""
 
 from __future__ import annotations
 
@@ -8,8 +8,29 @@ import json
 import os
 import shutil
 import tempfile
+import time
+from collections.abc import Callable
+
+import torch.multiprocessing as mp
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def spawn_ranks(fn: Callable, args: tuple, nprocs: int, timeout_s: float) -> None:
+    """`torch.multiprocessing.spawn(fn, args, nprocs)` with a bound: `mp.spawn` waits for its ranks
+    without one, and an uneven_split run once sat 7 minutes on a rank that never exited.
+
+    Raises:
+        TimeoutError: a rank is still running after `timeout_s` seconds (all of them are killed).
+        torch.multiprocessing.ProcessRaisedException / ProcessExitedException: a rank failed.
+    """
+    ranks = mp.start_processes(fn, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not ranks.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ranks.processes:
+                p.kill()
+            raise TimeoutError(f"{getattr(fn, '__name__', fn)}: ranks still running after {timeout_s:.0f} s")
 
 
 def default_out(name: str) -> str:

@@ -27,7 +27,6 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 
 from raytrain_ft.checkpoint.checkpointer import Checkpointer
 from raytrain_ft.checkpoint.train_state import KEY_MODEL, KEY_OPTIM, ModelState, OptimizerState, TrainState
@@ -35,7 +34,7 @@ from raytrain_ft.config import load_config
 from raytrain_ft.model.llama import lm_loss
 from raytrain_ft.model.parallel import build, local
 from raytrain_ft.run_folder import step_path
-from report import default_out, report, scratch
+from report import default_out, report, scratch, spawn_ranks
 
 PRESET, VOCAB, SEQ_LEN, MICRO_BATCH = "small", 8192, 256, 2
 WORLD_SIZE = 2
@@ -123,7 +122,7 @@ def main() -> None:
     args = p.parse_args()
     root = scratch("sharding-bench-")
     raw = os.path.join(root, "raw.json")
-    mp.spawn(worker, args=(args, root, raw), nprocs=WORLD_SIZE)
+    spawn_ranks(worker, (args, root, raw), WORLD_SIZE, timeout_s=1800)
     with open(raw) as f:
         ranks = json.load(f)
     bytes_ratio = max(r["bytes"]["fsdp"] / r["bytes"]["ddp"] for r in ranks)

@@ -22,14 +22,13 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from raytrain_ft.config import load_config
 from raytrain_ft.data.batches import split_passes
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.loop import forward_backward
 from raytrain_ft.model.parallel import build
-from report import default_out, report, scratch
+from report import default_out, report, scratch, spawn_ranks
 
 PRESET, VOCAB, SEQ_LEN, G, M = "tiny", 512, 256, 8, 2
 
@@ -61,6 +60,9 @@ def worker(rank: int, world_size: int, steps: int, root: str) -> None:
     if rank == 0:
         with open(f"{root}/times.json", "w") as f:
             json.dump([max(t) for t in zip(*gathered, strict=True)], f)
+    # the DDP wrapper holds the process group: freed after destroy_process_group, the gloo group's
+    # destructor waited forever on its worker thread (py-spy: ~ProcessGroupGloo from ~Reducer)
+    del par, optimizer
     dist.destroy_process_group()
 
 
@@ -74,7 +76,7 @@ def main() -> None:
     for r in range(args.rounds):
         for w in step_s:
             root = scratch(f"uneven-{w}-{r}-")
-            mp.spawn(worker, args=(w, args.steps, root), nprocs=w)
+            spawn_ranks(worker, (w, args.steps, root), w, timeout_s=300)
             with open(f"{root}/times.json") as f:
                 step_s[w].append(statistics.median(json.load(f)))
     median = {w: statistics.median(t) for w, t in step_s.items()}
