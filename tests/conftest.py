@@ -84,6 +84,13 @@ def run_scenario(script: str, *args: str, timeout_s: float = 900) -> dict:
     return json.loads(next(line for line in reversed(r.stdout.splitlines()) if line.startswith("{")))
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS's pick; nothing holds it now)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     """One local Ray instance for the in-process training tests (3 logical CPUs on 2 cores).
@@ -97,9 +104,7 @@ def ray_local():
     a `ray.cluster_utils.Cluster` of a concurrent run) answered for this one and ended a healthy
     attempt of test_watchdog.py."""
     os.environ.update(RAY_NODE_ENV)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**WORKER_ENV, "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}
     ray.init(
         address="local",

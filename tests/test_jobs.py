@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,7 +19,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from ray.job_submission import JobStatus, JobSubmissionClient
 
-from conftest import REPO, events, make_config, sqlite_store
+from conftest import REPO, events, free_port, make_config, sqlite_store
 from raytrain_ft.errors import ConfigError
 from raytrain_ft.launch.driver import preflight
 
@@ -71,12 +70,6 @@ def test_a_gpu_run_on_a_cluster_without_gpus_names_use_gpu(tmp_path, dataset, ra
         "scaling.num_workers=2 needs 2 GPU but the Ray cluster has 0; "
         "lower scaling.num_workers or set scaling.use_gpu=false, or add GPU nodes"
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kill_session(sid: int) -> None:

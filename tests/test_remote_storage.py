@@ -7,7 +7,6 @@ from the environment (dummy values), as on a real cluster.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -15,14 +14,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 from moto.server import ThreadedMotoServer
 
-from conftest import REPO, assert_resumed, assert_same_state, checkpoint_state
+from conftest import REPO, assert_resumed, assert_same_state, checkpoint_state, free_port
 from raytrain_ft.run_folder import step_path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
