@@ -154,6 +154,7 @@ def main() -> None:
     p.add_argument("--steps-after", type=int, default=2, help="steps trained after the first commit, before the drain")
     p.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # internal: run one mode and preset, print its JSON
     p.add_argument("--workdir", help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help="result file (default: benchmarks/results/preemption.json)")
     args = p.parse_args()
     if args.one:
         mode, preset = args.one
@@ -178,7 +179,7 @@ def main() -> None:
                 result[mode][preset] = {"failed": out.stderr.strip().splitlines()[-1:], "returncode": out.returncode}
                 continue
             result[mode][preset] = json.loads(line[len("RESULT ") :])
-    report(result, default_out("preemption"))
+    report(result, args.out or default_out("preemption"))
 
 
 if __name__ == "__main__":
