@@ -62,12 +62,6 @@ def short(free: dict[str, float]) -> dict[str, float]:
     return {k: round(free.get(k, 0.0), 4) for k in ("CPU", "GPU") if k in free or k == "CPU"}
 
 
-def _placement_group_id() -> str | None:
-    """Run in a worker actor: the hex id of the placement group it was placed in (None outside one)."""
-    pg = get_current_placement_group()
-    return pg.id.hex() if pg is not None else None
-
-
 @dataclass
 class StartLeftovers:
     """What one worker-group start created before its setup: worker actors and their placement group."""
@@ -93,7 +87,11 @@ class StartCleaner(ControllerCallback, WorkerGroupCallback):
         # A whole group's start (a replica replacement starts no worker group: not ours to track)
         if self.starting is not None and workers:
             self.starting.actors = [w.actor for w in workers]
-            self.starting.placement_group = ray.get(workers[0].execute_async(_placement_group_id))
+            # Ray's own function runs in the worker, where `ray.util` is loaded: a function of ours would
+            # make the worker import its module (and torch, through `ray_internals`) while the
+            # controller waits, before the workers' setup, which imports in parallel (1.5-1.9 s a start)
+            pg = ray.get(workers[0].execute_async(get_current_placement_group))
+            self.starting.placement_group = pg.id.hex() if pg is not None else None
         return {}
 
     def after_controller_state_update(self, previous_state, current_state) -> None:
