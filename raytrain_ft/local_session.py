@@ -53,6 +53,9 @@ class LocalSession:
         assert self.run_recorder.history is not None
         return copy.deepcopy(self.run_recorder.history)
 
+    def memory_keepers(self, memory_dir: str) -> None:
+        return None  # no keepers outside Ray: the memory tier stays off
+
     def latest_checkpoint(self) -> str | None:
         return read_latest(self.run_root)
 

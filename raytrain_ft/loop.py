@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from raytrain_ft.checkpoint.checkpointer import restore_latest
+from raytrain_ft.checkpoint.checkpointer import corrupt_recorder, restore_latest
 from raytrain_ft.checkpoint.interval import agreed_update, auto_schedule
 from raytrain_ft.checkpoint.train_state import KEY_GOODPUT, rng_key, seed_rngs
 from raytrain_ft.config import Config
@@ -119,22 +119,53 @@ class Trainer(RunComponents):
         auto checkpoint interval. Reads the run's past from `Session.history` only."""
         cfg, session = self.cfg, self.session
         history = session.history()  # every rank before the (collective) restore: before rank 0 adds to it
-        resumed_from, loaded = restore_latest(
-            self.checkpointer, self.state, session, self.recorder, self.faults.restore_delay_s, self.role.cleans
+        resumed_from, loaded, source = restore_latest(
+            self.checkpointer,
+            self.state,
+            session,
+            self.recorder,
+            self.faults.restore_delay_s,
+            self.role.cleans,
+            self.restore_memory,
         )
+        self.memory.abandon_after(self.progress.step)  # copies of later steps are of a trajectory left behind
         if rng_key(self.rank) not in loaded:  # fresh start, or a rank added by an elastic resize
             seed_rngs(cfg.train.seed + self.progress.step, self.rank)
         self.beat.restored()  # restoring a large checkpoint is not a step
         self.members = self.build_members(self.progress.step)
         self.done = self.progress.step >= cfg.train.max_steps  # a finished run submitted again
         tags = self.par.tags() | self.checks.tags()
-        self.attempt.start(history, resumed_from or 0, self.progress.step, tags, KEY_GOODPUT in loaded, self.done)
+        started = resumed_from or 0, self.progress.step, tags, KEY_GOODPUT in loaded, self.done, source
+        self.attempt.start(history, *started)
+        failures = self.world_size, history.failure_times(), history.run_start, self.progress.step, self.group
         if cfg.checkpoint.interval == "auto":
-            self.schedule, source = auto_schedule(
-                cfg, self.world_size, history.failure_times(), history.run_start, self.progress.step, self.group
-            )
-            self.attempt_recorder.tags({"mtbf_source": source})
+            self.schedule, mtbf_source = auto_schedule(cfg, *failures)
+            self.attempt_recorder.tags({"mtbf_source": mtbf_source})
+        if cfg.checkpoint.memory.interval == "auto" and self.memory.enabled:
+            self.memory_schedule, _ = auto_schedule(cfg, *failures, memory=True)
         log.info("rank %d: start at step %d (%s)", self.rank, self.progress.step, self.plan.describe(self.rank))
+
+    def restore_memory(self, durable_step: int) -> tuple[int, set[str], str] | None:
+        """The memory tier's restore (`MemoryTier.restore`), what it passes over recorded."""
+        on_skip = lambda line: self.recorder.event("memory_copy_skipped", reason=line)  # noqa: E731
+        return self.memory.restore(self.state, durable_step, corrupt_recorder(self.recorder), on_skip)
+
+    def after_memory_commit(self, done: tuple[int, bool] | None) -> None:
+        """The memory tier's copies of a step are written everywhere (`MemoryTier.poll`): when they
+        counted, keep what the step covers (the audited steps, the recorded timeline: a restart may
+        resume from it) and replan its auto interval; else record that the step never counts."""
+        if done is None:
+            return
+        step, counted = done
+        if not counted:
+            self.recorder.event("memory_checkpoint_not_committed", step=step)
+            return
+        self.audit.flush()
+        self.recorder.committed(step)
+        planned = agreed_update(self.memory_schedule, self.memory, self.beat.median_step_s, self.group)
+        if planned:
+            self.recorder.metrics(step, planned)
+        self.recorder.goodput(step, self.ledger.summary(time.time()))
 
     def save(self, step: int, write_delay_s: float = 0.0) -> None:
         """Start the save of `step` (every rank); at most one is in flight: the previous one
@@ -193,7 +224,8 @@ class Trainer(RunComponents):
             self.ledger.add("replacement", time.time())
             return
         self.guard.record(grad_norm, skip)
-        self.checkpointer.wait_staged()  # the snapshot must be copied before the weights change
+        self.checkpointer.wait_staged()  # the snapshots must be copied before the weights change
+        self.memory.wait_staged()
         if not skip:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -201,7 +233,7 @@ class Trainer(RunComponents):
         self.progress.step = step
         self.position.advance(self.plan.global_batch_size, self.steps_per_epoch)
         val = self.validation.maybe_run(step)  # every rank (collectives); empty when not due
-        loss, stall_s = loss_sum / share.plan.world_size, self.checkpointer.take_stall_s()
+        loss, stall_s = loss_sum / share.plan.world_size, self.checkpointer.take_stall_s() + self.memory.take_stall_s()
         members_figures = (self.members.recovering_s, share.plan.world_size, figures, share.plan.shares)
         result = StepResult(step, loss, grad_norm, skip, median, stall_s, val.metrics, val.seconds, *members_figures)
         self.hooks.after_optimizer_step(result)
@@ -209,9 +241,11 @@ class Trainer(RunComponents):
         if self.guard.consecutive >= self.cfg.guards.spike.max_consecutive_skips:
             self.after_commit(self.checkpointer.wait())  # a rollback reloads with no save in flight
             self.roll_back(step, self.guard.consecutive)
+            self.memory.abandon_after(self.progress.step)
             self.schedule.saved(self.progress.step)
         else:
             self.after_commit(self.checkpointer.poll())
+            self.after_memory_commit(self.memory.poll())
             self.maybe_save(step, leaving)
         self.hooks.after_step(step)
 
@@ -228,6 +262,10 @@ class Trainer(RunComponents):
                 self.faults.after_save_started(step)
             self.schedule.saved(step)  # after a failed replica check too: the next try is an interval later
             self.save_due = False
+        elif self.memory.enabled and self.memory_schedule.due(step) and self.guard.consecutive == 0:
+            if not self.memory.pending and self.checks.fit_to_save(step):  # a copy never holds diverged replicas
+                self.memory.save(step, self.state)
+            self.memory_schedule.saved(step)
         excluded = self.stragglers.excluded()
         if leaving or excluded:
             saves = self.members.saves_before_leaving(leaving + len(excluded))
@@ -237,7 +275,8 @@ class Trainer(RunComponents):
             self.ended |= leave(step, excluded, saves, self.members, self.preemption, self.stragglers, self.settle)
 
     def settle(self) -> None:
-        """Finish and commit the in-flight save and wait until the runtime registered every commit."""
+        """Finish and commit the in-flight saves (both tiers) and wait until the runtime registered every commit."""
+        self.after_memory_commit(self.memory.wait())
         self.after_commit(self.checkpointer.wait())
         self.session.flush()
         self.recorder.registered()

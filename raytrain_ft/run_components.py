@@ -5,9 +5,10 @@ model's wrapping and the checkpointer's process groups run collectives): who rec
 (`replicas.Role`), the data (`BatchPlan`, and `Batches` already filling from the committed
 checkpoint's data position, the one thing read from the checkpoint now), the model and optimizer
 (`model.parallel.build`), the LR schedule, the spike guard and rollback log, the goodput ledger,
-the train state that checkpoints them (`checkpoint.train_state.run_state`), the checkpointer, the
-rollback, the guards' cross-member checks, validation, the data audit, fault injection, the
-progress beat, the checkpoint schedule, drain notices, the compute timer, the step hooks in their
+the train state that checkpoints them (`checkpoint.train_state.run_state`), the checkpointer and the
+memory tier (`checkpoint.memory_tier`), the rollback, the guards' cross-member checks, validation,
+the data audit, fault injection, the progress beat, the checkpoint schedule, drain notices, the
+compute timer, the step hooks in their
 order (`raytrain_ft.hooks`) and the attempt's record (`telemetry.attempt`). Construction only:
 nothing is restored; `build_members` builds the step members once the restore has set the step.
 
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from raytrain_ft.checkpoint.checkpointer import Checkpointer
 from raytrain_ft.checkpoint.fingerprint import fingerprint
 from raytrain_ft.checkpoint.interval import CheckpointSchedule
+from raytrain_ft.checkpoint.memory_tier import MemoryTier
 from raytrain_ft.checkpoint.reader import peek
 from raytrain_ft.checkpoint.train_state import (
     KEY_DATA,
@@ -129,6 +131,10 @@ class RunComponents:
 
         self.checkpointer = Checkpointer(session.run_root, cfg.failure.collective_timeout_s)
         self.group = self.checkpointer.control_group  # CPU gloo group for guard collectives
+        m = cfg.checkpoint.memory
+        keepers = session.memory_keepers(m.dir) if m.enabled else None
+        topology = {"world_size": self.world_size, **self.par.tags()}
+        self.memory = MemoryTier(keepers, m.peer_copies, self.group, cfg.failure.collective_timeout_s, topology)
         self.roll_back = Rollback(
             cfg, self.manifest, self.plan, self.checkpointer, self.state, session, self.step_recorder, self.ledger
         )
@@ -145,6 +151,7 @@ class RunComponents:
         self.beat = StepBeat(session.beat)  # every rank: the driver's watchdog stops a rank that stalls
         # auto: planned in `Trainer.begin` from the run's failures
         self.schedule = CheckpointSchedule(cfg.checkpoint.interval_steps)
+        self.memory_schedule = CheckpointSchedule(max(m.interval_steps, 1))  # auto: planned in `Trainer.begin`
         self.preemption = Preemption(session, session.rank)
         metrics = StepMetrics(
             cfg,

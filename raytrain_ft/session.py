@@ -12,6 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
+from raytrain_ft.checkpoint.memory_copies import Keepers
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.resilience.preemption import Notice
 from raytrain_ft.resilience.recovery import RunHistory
@@ -39,6 +40,10 @@ class Session(Protocol):
 
     def latest_checkpoint(self) -> str | None:
         """Path of the latest committed checkpoint, or None on a fresh start."""
+
+    def memory_keepers(self, memory_dir: str) -> Keepers | None:
+        """The nodes' keepers of the memory tier (`raytrain_ft.checkpoint.memory_copies.Keepers`), their
+        copies under `memory_dir` (`checkpoint.memory.dir`); None where the runtime has none (the tier stays off)."""
 
     def commit(self, step: int, path: str, metrics: dict[str, float]) -> None:
         """Register a complete checkpoint (called on every rank with the same arguments)."""

@@ -150,13 +150,22 @@ class Checkpointer:
         root: the run's folder (local path or fsspec URL); checkpoints go to `root/step-N`.
         timeout_s: the timeout of its two gloo groups' collectives (`failure.collective_timeout_s`;
             without it torch gives a new group 30 minutes, whatever the default group's timeout).
+        save_group, control_group: the groups DCP saves and loads over and the one the ranks agree
+            over; None: a new gloo group of every rank each (the memory tier passes a group of this
+            rank alone for its saves and the durable checkpointer's control group).
     """
 
-    def __init__(self, root: str, timeout_s: float = 600.0):
+    def __init__(
+        self,
+        root: str,
+        timeout_s: float = 600.0,
+        save_group: dist.ProcessGroup | None = None,
+        control_group: dist.ProcessGroup | None = None,
+    ):
         self.root, self.timeout_s = root, timeout_s
         timeout = timedelta(seconds=timeout_s)
-        self.save_group = dist.new_group(backend="gloo", timeout=timeout)
-        self.control_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.save_group = save_group or dist.new_group(backend="gloo", timeout=timeout)
+        self.control_group = control_group or dist.new_group(backend="gloo", timeout=timeout)
         self.pending: tuple[int, str, Future] | None = None  # (step, path, upload future)
         self.staging: Future | None = None  # future of the snapshot copy still in progress
         self.stall_s = 0.0  # seconds training was blocked in save() / wait_staged(), since start
@@ -179,7 +188,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         self.check_space(step)
         path = step_path(self.root, step)
-        writer = _SlowWriter(path, write_delay_s) if write_delay_s > 0 else ChecksummedWriter(path)
+        writer = self._writer(path, step, write_delay_s)
         response = dcp.async_save(
             state.snapshot(), storage_writer=writer, process_group=self.save_group, async_stager=self.stager
         )
@@ -190,6 +199,10 @@ class Checkpointer:
         self.pending = (step, path, upload)
         self._started, self._pending_stall = t0, 0.0
         self._stalled(t0)
+
+    def _writer(self, path: str, step: int, write_delay_s: float) -> ChecksummedWriter:
+        """The storage writer of the save of `step` into `path`."""
+        return _SlowWriter(path, write_delay_s) if write_delay_s > 0 else ChecksummedWriter(path)
 
     def check_space(self, step: int) -> None:
         """On local storage, before a save: raise on every rank (rank 0 measures, all agree) when the
@@ -392,12 +405,16 @@ def restore_latest(
     recorder: Recorder,
     read_delay_s: Callable[[int], float] = lambda step: 0.0,
     clean: bool = True,
-) -> tuple[int | None, set[str]]:
+    from_memory: Callable[[int], tuple[int, set[str], str] | None] = lambda durable_step: None,
+) -> tuple[int | None, set[str], str]:
     """Delete uncommitted saves (unless `clean` is False: a live peer may be writing one, under
-    replica recovery), then load the committed checkpoint (or an older one if corrupt);
-    `read_delay_s`: `Checkpointer.restore`'s (fault injection).
+    replica recovery), then load the newest checkpoint: the memory tier's when `from_memory(durable
+    step)` loads one (`raytrain_ft.checkpoint.memory_tier.MemoryTier.restore`: never older than the
+    durable one), else the committed durable one (or an older one if corrupt); `read_delay_s`:
+    `Checkpointer.restore`'s (fault injection).
 
-    Returns the step loaded (None on a fresh start) and the state keys the checkpoint held.
+    Returns the step loaded (None on a fresh start), the state keys the checkpoint held, and where it
+    came from: `memory` (every rank's own node), `peer` (some rank's copy on another node), `storage`, or "".
     """
     latest = session.latest_checkpoint()
     committed = step_of(latest) if latest else 0
@@ -407,14 +424,22 @@ def restore_latest(
             log.warning("deleted incomplete or uncommitted checkpoints at steps %s", removed)
             recorder.event("uncommitted_checkpoints_deleted", steps=removed)
     dist.barrier(group=checkpointer.control_group)
+    memory = from_memory(committed)
+    if memory is not None:
+        return memory
     if latest is None:
-        return None, set()
+        return None, set(), ""
     older = [s for s in reversed(complete_steps(session.run_root)) if s < committed]
     candidates = [latest] + [step_path(session.run_root, s) for s in older]
+    loaded, keys = checkpointer.restore(state, candidates, corrupt_recorder(recorder), read_delay_s)
+    return (step_of(loaded) if loaded else None), keys, "storage"
+
+
+def corrupt_recorder(recorder: Recorder) -> Callable[[str, str], None]:
+    """`Checkpointer.restore`'s `on_corrupt`: the `corrupt_checkpoint` event and the run's last-corrupt tag."""
 
     def on_corrupt(path: str, reason: str) -> None:
         recorder.event("corrupt_checkpoint", path=path, reason=reason)
         recorder.tags({"last_corrupt_checkpoint": f"{path}: {reason}"})
 
-    loaded, keys = checkpointer.restore(state, candidates, on_corrupt, read_delay_s)
-    return (step_of(loaded) if loaded else None), keys
+    return on_corrupt

@@ -22,16 +22,13 @@ from __future__ import annotations
 import math
 import time
 from numbers import Real
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from raytrain_ft.config import Config
-
-if TYPE_CHECKING:
-    from raytrain_ft.checkpoint.checkpointer import Checkpointer
 
 SECONDS_PER_HOUR = 3600.0
 
@@ -195,8 +192,9 @@ class CheckpointSchedule:
     shorter than one save, so writes do not queue up), converted to steps at the current step time.
     """
 
-    def __init__(self, interval_steps: int, mtbf_s: float | None = None, last_save_step: int = 0):
+    def __init__(self, interval_steps: int, mtbf_s: float | None = None, last_save_step: int = 0, prefix: str = ""):
         self.steps, self.mtbf_s, self.last_save_step = interval_steps, mtbf_s, last_save_step
+        self.prefix = prefix  # of the logged names: "memory_" for the memory tier's schedule
         if self.auto:
             self.steps = min(interval_steps, FIRST_SAVE_STEPS)
 
@@ -219,24 +217,25 @@ class CheckpointSchedule:
             return {}
         interval = max(optimal_interval_s(max(cost_s, MIN_COST_S), self.mtbf_s), save_s)
         self.steps = interval_steps(interval, step_time_s)
+        p = self.prefix
         return {
-            "checkpoint_interval_steps": self.steps,
-            "checkpoint_interval_s": interval,
-            "checkpoint_cost_s": cost_s,
-            "checkpoint_save_s": save_s,
+            f"{p}checkpoint_interval_steps": self.steps,
+            f"{p}checkpoint_interval_s": interval,
+            f"{p}checkpoint_cost_s": cost_s,
+            f"{p}checkpoint_save_s": save_s,
             "median_step_time_s": step_time_s,
             "mtbf_s": self.mtbf_s,
         }
 
 
 def agreed_schedule(
-    interval_steps: int, mtbf_s: float, last_save_step: int, group: dist.ProcessGroup
+    interval_steps: int, mtbf_s: float, last_save_step: int, group: dist.ProcessGroup, prefix: str = ""
 ) -> CheckpointSchedule:
     """The auto schedule (`checkpoint.interval: auto`) at the MTBF (seconds) rank 0 planned with:
     broadcast over `group` (a collective), since the ranks' clocks differ and their plans must not."""
     agreed = torch.tensor([mtbf_s], dtype=torch.float64)
     dist.broadcast(agreed, src=0, group=group)
-    return CheckpointSchedule(interval_steps, agreed.item(), last_save_step=last_save_step)
+    return CheckpointSchedule(interval_steps, agreed.item(), last_save_step=last_save_step, prefix=prefix)
 
 
 def auto_schedule(
@@ -246,18 +245,31 @@ def auto_schedule(
     run_start: float,
     step: int,
     group: dist.ProcessGroup,
+    memory: bool = False,
 ) -> tuple[CheckpointSchedule, str]:
     """`checkpoint.interval: auto` at an attempt's start (`step`): Daly's interval at the MTBF
     (`planning_mtbf_s` from the run's failures, unix seconds, since `run_start`) rank 0 chose
     (`agreed_schedule`: broadcast, the ranks' clocks differ, their plans must not), and the MTBF's
-    source (`planning_mtbf_s`)."""
-    c, f = cfg.checkpoint, cfg.failure
+    source (`planning_mtbf_s`). `memory`: the memory tier's (`checkpoint.memory.interval: auto`), its
+    first save after `checkpoint.memory.interval_steps` at most and its figures logged as `memory_*`."""
+    f = cfg.failure
+    first = cfg.checkpoint.memory.interval_steps if memory else cfg.checkpoint.interval_steps
     planned, source = planning_mtbf_s(f.mtbf_hours_per_gpu, world_size, failure_times, run_start, time.time())
-    return agreed_schedule(c.interval_steps, planned, step, group), source
+    return agreed_schedule(first, planned, step, group, "memory_" if memory else ""), source
+
+
+class SaveCosts(Protocol):
+    """What a save cost: a `Checkpointer`'s or a `MemoryTier`'s last one, seconds."""
+
+    @property
+    def last_cost_s(self) -> float: ...
+
+    @property
+    def last_duration_s(self) -> float: ...
 
 
 def agreed_update(
-    schedule: CheckpointSchedule, checkpointer: Checkpointer, step_time_s: float, group: dist.ProcessGroup
+    schedule: CheckpointSchedule, checkpointer: SaveCosts, step_time_s: float, group: dist.ProcessGroup
 ) -> dict[str, float]:
     """After a commit: `schedule.update` with the slowest rank's figures, the checkpointer's last
     save (`last_cost_s`, `last_duration_s`) and `step_time_s` (an all-reduce MAX over `group`, a

@@ -17,6 +17,7 @@ from raytrain_ft.config import from_dict
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.launch.datasource import rank_micro_batches
+from raytrain_ft.launch.memory_keeper import RayKeepers
 from raytrain_ft.launch.preemption import DrainWatcher
 from raytrain_ft.launch.recorder_actor import WAIT_TIMEOUT_S, RemoteRecorder
 from raytrain_ft.resilience.preemption import Notice
@@ -75,6 +76,11 @@ class RaySession:
             return None
         scheme = checkpoint.filesystem.type_name
         return checkpoint.path if scheme == "local" else f"{scheme}://{checkpoint.path}"
+
+    def memory_keepers(self, memory_dir: str) -> RayKeepers:
+        # the run's identity among a node's copies: its folder and MLflow run (a run folder deleted to start
+        # over gets a new MLflow run, so its old copies are never restored)
+        return RayKeepers(memory_dir, f"{self.run_root}#{self.mlflow_run_id}", self.commit_timeout_s)
 
     def commit(self, step: int, path: str, metrics: dict[str, float]) -> None:
         # The DCP files already live in the experiment folder: register them without a copy.

@@ -36,16 +36,25 @@ class AttemptRecord:
         self.world_size, self.batch_balance = world_size, batch_balance
 
     def start(
-        self, history: RunHistory, resumed_from: int, step: int, tags: dict[str, str], ledger_loaded: bool, closed: bool
+        self,
+        history: RunHistory,
+        resumed_from: int,
+        step: int,
+        tags: dict[str, str],
+        ledger_loaded: bool,
+        closed: bool,
+        restored_from: str = "",
     ) -> None:
         """After the restore (`resumed_from`: the restored checkpoint's step, 0 on a fresh start;
         `step`: the step the attempt starts at): record the attempt with `tags` and account the time
         since the checkpoint's snapshot (`history`: the run's, as read before the restore;
         `ledger_loaded`: the checkpoint held the ledger; `closed`: a finished run submitted again,
-        whose account stays as it is)."""
+        whose account stays as it is; `restored_from`: the tier it came from, `memory`, `peer` or
+        `storage`, "" on a fresh start)."""
         start = {
             "time": time.time(),
             "resumed_from": resumed_from,
+            "restored_from": restored_from,
             "world_size": self.world_size,
             "init_started_at": self.init_started_at,
         }
