@@ -103,6 +103,8 @@ COST_FLAGS = {
     "replica_rejoin_seconds": "rejoin_s",
     "replica_pause_seconds": "pause_s",
     "step_seconds": "step_s",
+    "memory_checkpoint_seconds": "memory_checkpoint_s",
+    "memory_save_seconds": "memory_save_s",
 }
 
 
@@ -117,8 +119,11 @@ def _plan_goodput(args: argparse.Namespace) -> int:
     if args.from_run:
         measured = _measured_costs(args.from_run, args.tracking_uri)
     chosen = {**measured, **given}  # flags win over the run's measurements
+    if not chosen.get("memory_checkpoint_s") and "memory_save_s" not in given:
+        chosen.pop("memory_save_s", None)  # no memory stall: the memory tier is off, whatever the run logged
     defaults = asdict(planner.DEFAULT_COSTS)
     defaults["save_s"] = chosen.get("checkpoint_s", defaults["save_s"])  # no save time: it commits when its stall ends
+    defaults["memory_save_s"] = chosen.get("memory_checkpoint_s", 0.0)  # the same for a memory save
     costs = planner.Costs(**{**defaults, **chosen})
     cluster = planner.Cluster(args.gpus, args.mtbf_hours, args.days, args.gpus_per_replica, args.clustered_fraction)
     modes = planner.MODES if args.mode == "both" else (args.mode,)
@@ -136,11 +141,11 @@ def _plan_goodput(args: argparse.Namespace) -> int:
 
 def _measured_costs(run_name: str, tracking_uri: str) -> dict[str, float]:
     """The costs a finished run measured (`planner.measured_costs`), from its MLflow store."""
-    from raytrain_ft.resilience.planner import measured_costs
+    from raytrain_ft.resilience.planner_costs import MEAN_METRICS, measured_costs
     from raytrain_ft.telemetry.tracking import MlflowRecorder, steps_logged_since
 
     client, run = _mlflow_run(run_name, tracking_uri)
-    keys = ("train/step_time_s", "checkpoint_cost_s", "checkpoint_save_s", "train/checkpoint_stall_s")
+    keys = ("train/step_time_s", *MEAN_METRICS, "train/checkpoint_stall_s")
     metrics = {k: [m.value for m in client.get_metric_history(run.info.run_id, k)] for k in keys}
     events = MlflowRecorder(client.tracking_uri, run.info.run_id).events()
     found = measured_costs(events, metrics, steps_logged_since(client, run.info.run_id, 0.0))
@@ -162,20 +167,35 @@ def _print_goodput(result: dict, cluster, costs, source: dict[str, str], plot: s
         f"cluster MTBF {cluster.mtbf_s / 3600:.2f} h, {failures:,.0f} failures in {cluster.days:g} days"
         + (f", {cluster.clustered:.0%} of them clustered" if cluster.clustered else "")
     )
-    console.print(
-        "costs (s): " + ", ".join(f"{k} {v:g} ({source.get(k, 'default')})" for k, v in asdict(costs).items())
-    )
+
+    def sourced(memory: bool) -> str:
+        items = [(k, v) for k, v in asdict(costs).items() if k.startswith("memory_") == memory]
+        return ", ".join(f"{k} {v:g} ({source.get(k, 'default')})" for k, v in items)
+
+    console.print("costs (s): " + sourced(False))
+    if costs.memory_tier:
+        console.print("memory tier costs (s): " + sourced(True))
     console.print(
         f"Young interval sqrt(2 C M) {result['young_s'] / 60:.1f} min, Daly interval {result['daly_s'] / 60:.1f} min"
+        + (f"; memory tier: Daly interval {result['memory_daly_s'] / 60:.1f} min" if costs.memory_tier else "")
     )
+    memory = ("memory interval (min)",) if costs.memory_tier else ()
     table = Table(title="Goodput (mean over months; 95 % of months in the range), lost time in % of wall time")
-    for column in ("mode", "interval (min)", "goodput", "95 % range", *(p.replace("_", " ") for p in LOST_PARTS)):
+    for column in (
+        "mode",
+        "interval (min)",
+        *memory,
+        "goodput",
+        "95 % range",
+        *(p.replace("_", " ") for p in LOST_PARTS),
+    ):
         table.add_column(column, justify="left" if column == "mode" else "right")
     for mode, p in result["modes"].items():
         lo, hi = p["goodput_ci95"]
         table.add_row(
             mode,
             f"{p['interval_s'] / 60:.1f}",
+            *(f"{p['memory_interval_s'] / 60:.1f}" if "memory_interval_s" in p else "off" for _ in memory),
             f"{p['goodput']:.3f}",
             f"{lo:.3f}-{hi:.3f}",
             *(f"{100 * p['lost'][part]:.2f}" for part in LOST_PARTS),
@@ -192,9 +212,12 @@ def _add_plan_goodput(subparsers) -> None:
         description="Simulate many months of a job on --gpus GPUs that fail independently (Poisson, --mtbf-hours "
         "each): restart mode loses the work since the last committed checkpoint and a restart per failure, replica "
         "mode the survivors' pause and the failed replica's share until it rejoins; both pay checkpoint stalls. "
-        "Prints each mode's goodput (its 95 %% range over months) at its best interval (restart: searched; replica: "
-        "Daly's) and the lost time by part, with Young's and Daly's intervals. Costs: flags, else those --from-run "
-        "measured, else the defaults in raytrain_ft.resilience.planner.DEFAULT_COSTS (docs/planning.md).",
+        "With --memory-checkpoint-seconds, a memory tier beside the durable checkpoints: restart mode loses the "
+        "work since the newest committed checkpoint of either tier; replica mode ignores it, as the config does. "
+        "Prints each mode's goodput (its 95 %% range over months) at its best interval (restart: searched, Daly's "
+        "with the memory tier; replica: Daly's) and the lost time by part, with Young's and Daly's intervals. Costs: "
+        "flags, else those --from-run measured, else the defaults in raytrain_ft.resilience.planner.DEFAULT_COSTS "
+        "(docs/planning.md).",
     )
     p.add_argument("--gpus", type=int, default=1000, help="GPUs in the job (default 1000)")
     p.add_argument("--mtbf-hours", type=float, default=10_000.0, help="MTBF of one GPU, hours (default 10000)")
@@ -203,6 +226,18 @@ def _add_plan_goodput(subparsers) -> None:
         "--save-seconds", type=float, default=None, help="a save's start until committed, seconds (default: the stall)"
     )
     p.add_argument("--restart-seconds", type=float, default=None, help="group restart: failure to state restored")
+    p.add_argument(
+        "--memory-checkpoint-seconds",
+        type=float,
+        default=None,
+        help="training stall of one memory-tier save, seconds (absent or 0: the memory tier is off)",
+    )
+    p.add_argument(
+        "--memory-save-seconds",
+        type=float,
+        default=None,
+        help="a memory save's start until committed, its peer copy verified, seconds (default: its stall)",
+    )
     p.add_argument(
         "--replica-rejoin-seconds", type=float, default=None, help="replica: failure to the replacement's first step"
     )

@@ -25,11 +25,29 @@ the recovery (a node taking its neighbours, a flapping switch): `restart` pays t
   (`degraded_steps`). Committed work is never lost, so a checkpoint only costs its stall here;
   its interval is Daly's, the one `checkpoint.interval: auto` uses (checkpoints guard against
   failures of the whole job, which this model leaves out).
+* The memory tier (`checkpoint.memory`, on when `memory_checkpoint_s > 0`; `restart` mode only,
+  as the config allows: replicas heal from a live peer): between two durable saves a memory save
+  every `memory_steps_s` of compute (Daly's interval from its stall, as
+  `checkpoint.memory.interval: auto` plans it), each stalling `memory_checkpoint_s` and
+  committing `memory_save_s` after its start (local copy and peer copy verified). The memory
+  clock starts at each durable save, and a memory save that would fall on a durable save is
+  skipped (the durable save's stall takes the same snapshot; one stall, not two): `Schedule`. The
+  loop (`raytrain_ft.loop`) also takes only the durable save at a step where both are due, but its
+  memory clock does not restart at durable saves (under `checkpoint.memory.interval: auto` the
+  memory save comes a step later): at most one memory save per durable interval apart. A
+  failure loses the work since the newest committed checkpoint of either tier. A restore from
+  memory is faster than one from storage, but `restart_s` stays the one restart figure: pass
+  what the runs measured. `replica` mode ignores the tier (the config refuses it with replica
+  recovery). With the tier on, `plan` puts `restart`'s durable saves at Daly's interval rather
+  than searching it. Failures of a node and its peer together or of the whole cluster, which
+  take a memory copy and its peer copy at once, are left out: the memory tier is assumed to
+  survive every failure the model draws.
 
-Both modes pay `checkpoint_s` per save (`checkpoint_stalls`). Goodput is the useful compute, at
-the full job's throughput, over the wall time; goodput and the four lost parts sum to 1. The
-month's last stretch counts as kept (the run goes on, or ends with a final save). Where the model
-stops holding: docs/planning.md.
+Both modes pay `checkpoint_s` per durable save, `restart` also `memory_checkpoint_s` per memory
+save (`checkpoint_stalls`); a stretch after a restart starts both tiers' clocks afresh. Goodput
+is the useful compute, at the full job's throughput, over the wall time; goodput and the four
+lost parts sum to 1. The month's last stretch counts as kept (the run goes on, or ends with a final save).
+Where the model stops holding: docs/planning.md.
 
 Intervals: `young_s` and `daly_s` are Young's `sqrt(2 C M)` (J. W. Young, "A first order
 approximation to the optimum checkpoint interval", CACM 17(9), 1974) and Daly's higher-order
@@ -43,52 +61,21 @@ time, with commit latency, clustered failures and both modes, vectorised over re
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
 from raytrain_ft.checkpoint.interval import cluster_mtbf_s, daly_interval_s, interval_steps, young_interval_s
+from raytrain_ft.resilience.planner_costs import DEFAULT_COSTS as DEFAULT_COSTS  # re-exported: the planner's API
+from raytrain_ft.resilience.planner_costs import REPLICA_PAUSE_S as REPLICA_PAUSE_S
+from raytrain_ft.resilience.planner_costs import Costs
+from raytrain_ft.resilience.planner_costs import measured_costs as measured_costs
+from raytrain_ft.resilience.planner_costs import survivors_pause_s as survivors_pause_s
 
 MODES = ("restart", "replica")
 LOST_PARTS = ("lost_work", "restarts", "checkpoint_stalls", "degraded_steps")
 SECONDS_PER_DAY = 86_400.0
-REPLICA_PAUSE_S = (
-    1.0  # the lighthouse's heartbeat timeout (`raytrain_ft.resilience.replicas.LIGHTHOUSE`): the survivors' wait
-)
 SEARCH_POINTS = 16  # intervals per round of the best-interval search (two rounds), rounded to whole steps
-
-
-@dataclass(frozen=True)
-class Costs:
-    """What recovery and checkpoints cost, seconds.
-
-    `checkpoint_s`: the training stall of one save; `save_s`: from the save's start until it is
-    committed (at least `checkpoint_s`); `restart_s`: a group restart, from the failure until the
-    state is restored; `rejoin_s`: from a replica's failure until its replacement takes part in a
-    committed step; `pause_s`: the survivors' wait after a replica's failure; `step_s`: one step.
-    """
-
-    checkpoint_s: float
-    save_s: float
-    restart_s: float
-    rejoin_s: float
-    step_s: float
-    pause_s: float = REPLICA_PAUSE_S
-
-    def __post_init__(self) -> None:
-        for name, value in asdict(self).items():
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
-        if not self.step_s > 0 or not self.checkpoint_s > 0:
-            raise ValueError(f"step_s and checkpoint_s must be positive, got {self.step_s!r}, {self.checkpoint_s!r}")
-        if self.save_s < self.checkpoint_s:
-            raise ValueError(f"save_s ({self.save_s} s) is shorter than the stall checkpoint_s ({self.checkpoint_s} s)")
-
-
-# Documented defaults where neither a flag, a run nor the config gives a cost (docs/planning.md):
-# a 5-minute checkpoint (docs/fault-tolerance.md's example), committed when it ends; a 10-minute group restart at
-# scale (scheduling, NCCL initialisation, loading); a 5-minute replacement; a 10-second step.
-DEFAULT_COSTS = Costs(checkpoint_s=300.0, save_s=300.0, restart_s=600.0, rejoin_s=300.0, step_s=10.0)
 
 
 @dataclass(frozen=True)
@@ -135,14 +122,83 @@ class Projection:
     goodput: float
     goodput_ci95: tuple[float, float]
     lost: dict[str, float]
+    memory_interval_s: float | None = None  # the memory tier's interval; None: the tier is off
 
     def as_json(self) -> dict:
-        return {
+        out = {
             "interval_s": self.interval_s,
             "goodput": self.goodput,
             "goodput_ci95": list(self.goodput_ci95),
             "lost": self.lost,
         }
+        if self.memory_interval_s is not None:
+            out["memory_interval_s"] = self.memory_interval_s
+        return out
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Where the saves fall in a stretch of running that starts at a restored checkpoint, vectorised
+    over stretch lengths `running` (seconds). A durable period is `tau` of compute and a durable
+    stall; with the memory tier on, a memory save every `memory_tau` of compute counted from the
+    period's start, `memories` of them before the durable save (none falls on or after it: that
+    one is the durable save). Each save's snapshot is taken as its stall starts; a save commits
+    `save` (`memory_save`) after its snapshot. Times in seconds."""
+
+    tau: float
+    stall: float
+    save: float
+    memory_tau: float  # `tau` when the tier is off (with no memories)
+    memory_stall: float = 0.0
+    memory_save: float = 0.0
+    memories: int = 0
+
+    @classmethod
+    def of(cls, c: Costs, tau: float, memory_tau: float | None) -> Schedule:
+        if memory_tau is None:
+            return cls(tau, c.checkpoint_s, c.save_s, tau)
+        # the memory saves strictly before the durable one (rounded: 4,200 s over 600 s is 6, not 7)
+        memories = max(math.ceil(round(tau / memory_tau, 9)) - 1, 0)
+        return cls(tau, c.checkpoint_s, c.save_s, memory_tau, c.memory_checkpoint_s, c.memory_save_s, memories)
+
+    @property
+    def period(self) -> float:
+        return self.tau + self.memories * self.memory_stall + self.stall
+
+    @property
+    def period_stalls(self) -> float:
+        return self.memories * self.memory_stall + self.stall
+
+    def kept(self, running: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(compute, stalls, wall time to the end of its stall) of the newest checkpoint of either
+        tier committed within `running` (0 where none is)."""
+        d = np.floor((running + self.stall - self.save) / self.period).clip(min=0)  # durable saves committed
+        done, stalls, wall = d * self.tau, d * self.period_stalls, d * self.period
+        if not self.memories:
+            return done, stalls, wall
+        q = self.memory_tau + self.memory_stall  # a memory save's compute and stall
+        t = running - self.memory_save  # memory snapshots up to t have committed: the newest is save i of period k
+        k = np.floor(t / self.period)
+        i = np.minimum(np.floor((t - k * self.period + self.memory_stall) / q), self.memories)
+        k, i = np.where(i > 0, k, k - 1), np.where(i > 0, i, self.memories)  # i = 0: the previous period's last
+        m_wall = k * self.period + i * q
+        newer = (k >= 0) & (m_wall - self.memory_stall > wall - self.stall)
+        return (
+            np.where(newer, k * self.tau + i * self.memory_tau, done),
+            np.where(newer, k * self.period_stalls + i * self.memory_stall, stalls),
+            np.where(newer, m_wall, wall),
+        )
+
+    def compute(self, running: np.ndarray) -> np.ndarray:
+        """The compute done in `running` seconds without a failure."""
+        whole, rest = np.floor(running / self.period) * self.tau, np.mod(running, self.period)
+        if not self.memories:
+            return whole + np.minimum(rest, self.tau)
+        q, last = self.memory_tau + self.memory_stall, self.tau - self.memories * self.memory_tau
+        i = np.minimum(np.floor(rest / q), self.memories)
+        return (
+            whole + i * self.memory_tau + np.minimum(rest - i * q, np.where(i < self.memories, self.memory_tau, last))
+        )
 
 
 class Month:
@@ -161,7 +217,8 @@ class Month:
         self.in_flight = rng.random((repetitions, most))  # where in its step a failure strikes, [0, 1)
 
     def simulate(self, mode: str, costs: Costs, interval_s: float) -> Projection:
-        """`mode`'s month at a checkpoint every `interval_s` seconds of compute.
+        """`mode`'s month at a durable checkpoint every `interval_s` seconds of compute (and, with
+        the memory tier on, `restart` mode a memory checkpoint every `memory_steps_s`).
 
         Raises:
             ValueError: an unknown mode, an interval that is not positive, or `replica` mode with
@@ -169,10 +226,12 @@ class Month:
         """
         if not interval_s > 0:
             raise ValueError(f"the checkpoint interval must be positive, got {interval_s}")
+        memory_s = memory_steps_s(costs, self.cluster.mtbf_s) if mode == "restart" else None  # replica: no tier
+        schedule = Schedule.of(costs, interval_s, memory_s)
         if mode == "restart":
-            parts = self._restart(costs, interval_s)
+            parts = self._restart(costs, schedule)
         elif mode == "replica":
-            parts = self._replica(costs, interval_s)
+            parts = self._replica(costs, schedule)
         else:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         wall = self.cluster.wall_s
@@ -184,22 +243,22 @@ class Month:
             float(goodput.mean()),
             (float(lo), float(hi)),
             {part: float(parts[part].mean() / wall) for part in LOST_PARTS},
+            memory_s,
         )
 
-    def _restart(self, c: Costs, tau: float) -> dict[str, np.ndarray]:
+    def _restart(self, c: Costs, schedule: Schedule) -> dict[str, np.ndarray]:
         wall = self.cluster.wall_s
-        period = tau + c.checkpoint_s
         down = c.restart_s * (1 + self.second)
         start = np.cumsum(self.gaps + down, axis=1) - self.gaps - down  # each running stretch's start
         failed = start + self.gaps <= wall  # stretches ended by a failure within the month
         last = (start < wall) & ~failed  # the stretch the month ends in
-        # saves whose snapshot (k tau + (k-1) C) committed save_s later, before the failure
-        kept = np.floor((self.gaps + c.checkpoint_s - c.save_s) / period).clip(min=0) * failed
+        # the newest checkpoint whose snapshot committed (save_s later) before the failure
+        kept_compute, kept_stalls, kept_wall = (np.where(failed, x, 0.0) for x in schedule.kept(self.gaps))
         tail = np.where(last, wall - start, 0.0)  # the last stretch's running time, all of it kept
-        tail_useful = np.floor(tail / period) * tau + np.minimum(np.mod(tail, period), tau)
-        useful = kept * tau + tail_useful
-        stalls = kept * c.checkpoint_s + tail - tail_useful
-        lost = np.where(failed, self.gaps, 0.0) - kept * period
+        tail_useful = schedule.compute(tail)
+        useful = kept_compute + tail_useful
+        stalls = kept_stalls + tail - tail_useful
+        lost = np.where(failed, self.gaps - kept_wall, 0.0)
         restarts = np.where(failed, np.minimum(down, wall - start - self.gaps), 0.0)
         return {
             "useful": useful.sum(axis=1),
@@ -209,7 +268,7 @@ class Month:
             "degraded_steps": np.zeros(len(self.gaps)),
         }
 
-    def _replica(self, c: Costs, tau: float) -> dict[str, np.ndarray]:
+    def _replica(self, c: Costs, schedule: Schedule) -> dict[str, np.ndarray]:
         replicas = self.cluster.replicas
         if replicas < 2:
             raise ValueError(
@@ -223,7 +282,7 @@ class Month:
         pauses = (events * c.pause_s).sum(axis=1)
         training = wall - lost - pauses
         degraded = (events * max(c.rejoin_s - c.pause_s, 0.0) / replicas).sum(axis=1)
-        stalls = training * c.checkpoint_s / (tau + c.checkpoint_s)
+        stalls = training * schedule.period_stalls / schedule.period
         return {
             "useful": training - stalls - degraded,
             "lost_work": lost,
@@ -259,6 +318,15 @@ def daly_steps_s(costs: Costs, mtbf_s: float) -> float:
     return interval_steps(interval, costs.step_s) * costs.step_s
 
 
+def memory_steps_s(costs: Costs, mtbf_s: float) -> float | None:
+    """The memory tier's interval in seconds: Daly's from its stall, never shorter than its save,
+    rounded to whole steps (as `checkpoint.memory.interval: auto` plans it); None when off."""
+    if not costs.memory_tier:
+        return None
+    interval = max(daly_interval_s(costs.memory_checkpoint_s, mtbf_s), costs.memory_save_s)
+    return interval_steps(interval, costs.step_s) * costs.step_s
+
+
 def plan(
     cluster: Cluster,
     costs: Costs,
@@ -267,10 +335,13 @@ def plan(
     repetitions: int = 200,
     seed: int = 0,
 ) -> dict:
-    """The planner's answer: `{"young_s", "daly_s", "modes": {mode: Projection.as_json()}}`.
+    """The planner's answer: `{"young_s", "daly_s", "modes": {mode: Projection.as_json()}}`, and
+    `"memory_daly_s"` (Daly's interval from the memory stall) with the memory tier on.
 
-    `interval_s` None: `restart` at its simulated best interval (`Month.best_restart`), `replica`
-    at Daly's (`daly_steps_s`). Deterministic given `seed`.
+    `interval_s` None: `restart` at its simulated best interval (`Month.best_restart`) with the
+    memory tier off, at Daly's with it on (the search would stretch it to its end: within the model
+    the memory tier guards every failure, so durable saves only cost), `replica` at Daly's
+    (`daly_steps_s`). Deterministic given `seed`.
     """
     month = Month(cluster, repetitions, seed)
     out: dict = {
@@ -278,70 +349,16 @@ def plan(
         "daly_s": daly_interval_s(costs.checkpoint_s, cluster.mtbf_s),
         "modes": {},
     }
+    if costs.memory_tier:
+        out["memory_daly_s"] = daly_interval_s(costs.memory_checkpoint_s, cluster.mtbf_s)
     for mode in modes:
         if interval_s is not None:
             p = month.simulate(mode, costs, interval_s)
-        elif mode == "restart":
+        elif mode == "restart" and not costs.memory_tier:
             p = month.best_restart(costs)
         else:
             p = month.simulate(mode, costs, daly_steps_s(costs, cluster.mtbf_s))
         out["modes"][mode] = p.as_json()
-    return out
-
-
-def survivors_pause_s(survivors_committed_s: float, step_s: float, replicas: int) -> float:
-    """The survivors' pause after a replica's failure, seconds, from the time until they committed
-    a step again (`raytrain_ft.resilience.recovery.replacement_rows`' `survivors_committed_s`): minus that
-    step, which trains the whole global batch on `replicas - 1` replicas (`step_s` x replicas /
-    (replicas - 1) long). Never below 0."""
-    if replicas < 2:
-        raise ValueError(f"replica recovery needs at least 2 replicas, got {replicas}")
-    return max(0.0, survivors_committed_s - step_s * replicas / (replicas - 1))
-
-
-def measured_costs(
-    events: list[dict], metrics: dict[str, list[float]], steps_done: list[tuple[int, float]]
-) -> dict[str, float]:
-    """The `Costs` fields a finished run measured, seconds (those it did not measure are absent).
-
-    Args:
-        events: the run's events (`tracking.MlflowRecorder.events()`).
-        metrics: metric histories by key: `train/step_time_s` (median: `step_s`),
-            `checkpoint_cost_s` and `checkpoint_save_s` (means: `checkpoint_s`, `save_s`; logged
-            under `checkpoint.interval: auto`), else the positive `train/checkpoint_stall_s` (mean: `checkpoint_s`).
-        steps_done: (step, unix seconds) of every completed step (`tracking.steps_logged_since`).
-
-    `restart_s` is the median failure-to-restored time of the group restarts
-    (`recovery.recovery_rows`' `restored_s`), `rejoin_s` the median of the replacements'
-    `replacement_joined_s` and `pause_s` the median `survivors_pause_s` (`recovery.replacement_rows`;
-    the replicas: the `participants` of the step the replacement joined).
-    """
-    import statistics
-
-    from raytrain_ft.resilience.recovery import recovery_rows, replacement_rows
-
-    out: dict[str, float] = {}
-    if metrics.get("train/step_time_s"):
-        out["step_s"] = statistics.median(metrics["train/step_time_s"])
-    stalls = metrics.get("checkpoint_cost_s") or [s for s in metrics.get("train/checkpoint_stall_s", []) if s > 0]
-    if stalls:
-        out["checkpoint_s"] = statistics.mean(stalls)
-    if metrics.get("checkpoint_save_s"):
-        out["save_s"] = statistics.mean(metrics["checkpoint_save_s"])
-    restored = [r["restored_s"] for r in recovery_rows(events) if r["restored_s"] is not None]
-    if restored:
-        out["restart_s"] = statistics.median(restored)
-    rows = replacement_rows(events, steps_done)
-    joined = [r["replacement_joined_s"] for r in rows if r["replacement_joined_s"] is not None]
-    if joined:
-        out["rejoin_s"] = statistics.median(joined)
-    committed = [  # replicas: those in the step the replacement joined (all of them again)
-        (r["survivors_committed_s"], r["participants"])
-        for r in rows
-        if r["survivors_committed_s"] is not None and (r["participants"] or 0) >= 2
-    ]
-    if committed and "step_s" in out:
-        out["pause_s"] = statistics.median(survivors_pause_s(t, out["step_s"], p) for t, p in committed)
     return out
 
 
