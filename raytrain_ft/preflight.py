@@ -32,6 +32,7 @@ from collections.abc import Callable
 import fsspec
 
 from raytrain_ft.checkpoint.fingerprint import check_fingerprint, fingerprint
+from raytrain_ft.checkpoint.memory_copies import KEEP, bytes_per_node, free_bytes
 from raytrain_ft.checkpoint.reader import newest_checkpoint
 from raytrain_ft.checkpoint.train_state import RunMeta
 from raytrain_ft.config import Config
@@ -84,6 +85,8 @@ def problems(cfg: Config, cluster: dict[str, float] | None = None) -> list[UserE
         check(lambda: check_data_fits(cfg, m))
         if cfg.scaling.use_gpu:
             check(lambda: check_fits(cfg, m.vocab_size, m.seq_len))
+        if cfg.checkpoint.memory.enabled:
+            check(lambda: check_memory_tier(cfg, m))
     check(lambda: check_bounds(cfg, manifest[0] if manifest else None))
     check(lambda: check_tracking(resolve_uri(cfg.tracking.uri)))
     if cluster is not None:
@@ -106,6 +109,27 @@ def check_bounds(cfg: Config, manifest: Manifest | None) -> None:
     found = conflicts(cfg, written)
     if found:
         raise ConfigError(found[0])
+
+
+def check_memory_tier(cfg: Config, manifest: Manifest) -> None:
+    """Raises ConfigError: the memory tier's copies would not fit a node (`memory_copies.bytes_per_node`:
+    one rank's parameters and optimizer state, from the memory plan, x its ranks per node: the GPUs of
+    one node, or on CPU every worker of the range; against `checkpoint.memory.max_bytes_per_node`,
+    else the free bytes of `checkpoint.memory.dir` on this machine)."""
+    m = cfg.checkpoint.memory
+    plan = plan_config(cfg, manifest.vocab_size, manifest.seq_len)
+    hi = cfg.worker_range[1]
+    ranks = min(cfg.scaling.gpus_per_node, hi) if cfg.scaling.use_gpu else hi
+    needed = bytes_per_node(plan.params + plan.optimizer, ranks, m.peer_copies)
+    limit = m.max_bytes_per_node or free_bytes(m.dir)
+    if needed > limit:
+        source = "checkpoint.memory.max_bytes_per_node" if m.max_bytes_per_node else f"free in {m.dir} here"
+        raise ConfigError(
+            f"the memory tier needs about {needed / 2**30:.1f} GiB per node ({ranks} ranks x "
+            f"{(plan.params + plan.optimizer) / 2**30:.2f} GiB x {1 + m.peer_copies} copies x {KEEP + 1} steps) but "
+            f"{limit / 2**30:.1f} GiB are {source}; lower checkpoint.memory.peer_copies, use a node with more "
+            "memory, or turn the tier off (checkpoint.memory.interval_steps=0)"
+        )
 
 
 def check_meshes(cfg: Config) -> None:

@@ -133,6 +133,20 @@ def discard_after(node_dir: str, step: int) -> list[tuple[int, int]]:
     return sorted(removed)
 
 
+def bytes_per_node(rank_bytes: int, ranks_per_node: int, peer_copies: int) -> int:
+    """The most bytes the tier holds on one node: its ranks' own copies and the copies it keeps for its
+    peers' ranks (as many again per peer copy), each `KEEP` committed steps plus one being written."""
+    return rank_bytes * ranks_per_node * (1 + peer_copies) * (KEEP + 1)
+
+
+def free_bytes(folder: str) -> int:
+    """Free bytes of the file system that holds `folder` (or would: its nearest existing parent)."""
+    path = os.path.abspath(folder)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
 class Keepers(Protocol):
     """The memory tier's reach beyond this rank's own node (`raytrain_ft.launch.memory_keeper` on Ray):
     the keepers of the nodes, one per node, each the only reader and writer of its node's folder for
