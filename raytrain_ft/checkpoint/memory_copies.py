@@ -36,9 +36,8 @@ KEEP = 2  # committed copies each node keeps per (run, rank): the newest and the
 
 
 def run_key(run_id: str) -> str:
-    """The run's name among a node's copies: a hash of its identity (its run folder and MLflow run id:
-    the same run across restarts and resubmissions; another run, or the same folder started over,
-    another key)."""
+    """The run's name among a node's copies, from its MLflow run id: the same run across restarts and
+    resubmissions; another run, or a run folder deleted to start over (a new MLflow run), another key."""
     return hashlib.sha256(run_id.encode()).hexdigest()[:16]
 
 

@@ -16,7 +16,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from raytrain_ft.config import Config, to_dict
 from raytrain_ft.errors import UserError, find_user_error
-from raytrain_ft.launch import progress_watchdog
+from raytrain_ft.launch import memory_keeper, progress_watchdog
 from raytrain_ft.launch.callbacks import CommitAcknowledger, FailureRecorder, WatchRanks, describe, plain_cause
 from raytrain_ft.launch.group_start import START_TIMEOUT_ENV, StartCleaner, baseline_resources
 from raytrain_ft.launch.progress_watchdog import start_watchdog
@@ -317,6 +317,8 @@ def _fit(cfg: Config, uri: str) -> str:
     progress_watchdog.close(watchdog)
     close(recorder_actor)
     finish_run(recorder, root, failed=False)  # raises the error a worker ended the run with (a full disk)
+    if cfg.checkpoint.memory.enabled:
+        memory_keeper.drop_run(run_id)
     return run_id
 
 

@@ -95,7 +95,7 @@ class RayKeepers:
 
     Args:
         memory_dir: `checkpoint.memory.dir`.
-        run_id: the run's identity (its folder and MLflow run id; its copies' key: `memory_copies.run_key`).
+        run_id: the run's MLflow run id (its copies' key: `memory_copies.run_key`).
         timeout_s: the bound of every call to a keeper (`waits.commit_timeout_s`).
     """
 
@@ -147,8 +147,8 @@ class RayKeepers:
 
 
 def drop_run(run_id: str) -> None:
-    """Delete a finished run's copies (`run_id` as `RayKeepers`') on every live node (the driver, after
-    the run succeeded)."""
+    """Delete the copies of the finished run `run_id` (its MLflow run id) on every live node (the
+    driver, after the run succeeded: a finished run is not restored from memory)."""
     key = copies.run_key(run_id)
     calls = {n: k.drop.remote(key) for n, k in _live_keepers().items()}
     if calls:

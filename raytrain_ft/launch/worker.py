@@ -78,9 +78,7 @@ class RaySession:
         return checkpoint.path if scheme == "local" else f"{scheme}://{checkpoint.path}"
 
     def memory_keepers(self, memory_dir: str) -> RayKeepers:
-        # the run's identity among a node's copies: its folder and MLflow run (a run folder deleted to start
-        # over gets a new MLflow run, so its old copies are never restored)
-        return RayKeepers(memory_dir, f"{self.run_root}#{self.mlflow_run_id}", self.commit_timeout_s)
+        return RayKeepers(memory_dir, self.mlflow_run_id, self.commit_timeout_s)
 
     def commit(self, step: int, path: str, metrics: dict[str, float]) -> None:
         # The DCP files already live in the experiment folder: register them without a copy.
