@@ -194,7 +194,8 @@ def recovery_of(kill: dict, failure: dict, restarts, replacements) -> dict:
         columns, extra = REPLACEMENT_PHASES, {"replaced": True, "joined_step": row["joined_step"]}
     else:
         row = next(restarts)
-        columns, extra = PHASES, {"lost_steps": row["lost_steps"]}
+        extra = {k: row[k] for k in ("lost_steps", "lost_compute_s", "restored_from", "restore_s")}
+        columns = PHASES
     phases.update({name: row[col] + offset for name, col in columns if row[col] is not None})
     return {**kill, **extra, "cause": row["cause"], "phases_s": phases}
 
@@ -209,9 +210,10 @@ def raytrain_ft(
     tail_s: float,
     validation_interval: int,
     preset: str = "small",
+    overrides: tuple[str, ...] = (),
 ) -> dict:
-    """One raytrain-ft run with `failure.recovery: <mode>` (the demo config at model `preset`), killed
-    after each gap at the given rank."""
+    """One raytrain-ft run with `failure.recovery: <mode>` (the demo config at model `preset`, then
+    `overrides`), killed after each gap at the given rank."""
     max_steps = math.ceil((sum(gaps_s) + tail_s) / step_s) + len(gaps_s)  # + a step lost per kill
     cfg = load_config(
         os.path.join(REPO, "configs", "demo.yaml"),
@@ -228,6 +230,7 @@ def raytrain_ft(
             f"failure.mtbf_hours_per_gpu={2 * mtbf_s / 3600}",  # 2 workers: cluster MTBF = mtbf_s
             f"failure.max_failures={len(gaps_s) + 1}",
             "faults=[]",
+            *overrides,
         ],
     )
     run_root = os.path.join(cfg.run.storage_path, cfg.run.name)
@@ -252,6 +255,7 @@ def raytrain_ft(
     replacements = iter(replacement_rows(events, steps_logged_since(client, run_id, 0.0)))
     return {
         "mode": mode,
+        "run_id": run_id,
         "summary": summary,
         "gaps_s": gaps_s,
         "missed_kills": len(gaps_s) - len(kills),

@@ -153,6 +153,7 @@ class FailureSection:
     group_start_timeout_s: float = 60.0  # a group start waits this long for its resources, then fails (counted)
     hang_timeout_s: float = 0.0  # no step this long: stacks recorded, attempt failed; 0 = max(10 x median step, 300 s)
     start_timeout_s: float = 1200.0  # no first step this long after Ray Train started a rank's process: the same
+    liveness_timeout_s: float = 45.0  # a rank's process stopped (or its node silent) this long: dead, at any moment
     recovery: str = "restart"  # restart: a failure restarts every rank / replica: the healthy replicas keep training
 
 
@@ -394,6 +395,8 @@ def _validate(cfg: Config) -> None:
         )
     _validate_schedule(cfg.train)
     _validate_memory_tier(cfg)
+    if not cfg.failure.liveness_timeout_s > 0:
+        raise ConfigError(f"config key 'failure.liveness_timeout_s' must be > 0, got {cfg.failure.liveness_timeout_s}")
     if not (cfg.failure.hang_timeout_s >= 0 and cfg.failure.start_timeout_s > 0):
         raise ConfigError(
             f"config keys 'failure.hang_timeout_s' ({cfg.failure.hang_timeout_s}) and 'failure.start_timeout_s' "

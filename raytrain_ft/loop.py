@@ -119,6 +119,7 @@ class Trainer(RunComponents):
         auto checkpoint interval. Reads the run's past from `Session.history` only."""
         cfg, session = self.cfg, self.session
         history = session.history()  # every rank before the (collective) restore: before rank 0 adds to it
+        restore_started = time.perf_counter()
         resumed_from, loaded, source = restore_latest(
             self.checkpointer,
             self.state,
@@ -135,7 +136,8 @@ class Trainer(RunComponents):
         self.members = self.build_members(self.progress.step)
         self.done = self.progress.step >= cfg.train.max_steps  # a finished run submitted again
         tags = self.par.tags() | self.checks.tags()
-        started = resumed_from or 0, self.progress.step, tags, KEY_GOODPUT in loaded, self.done, source
+        restored = {"restored_from": source, "restore_s": round(time.perf_counter() - restore_started, 3)}
+        started = resumed_from or 0, self.progress.step, tags, KEY_GOODPUT in loaded, self.done, restored
         self.attempt.start(history, *started)
         failures = self.world_size, history.failure_times(), history.run_start, self.progress.step, self.group
         if cfg.checkpoint.interval == "auto":

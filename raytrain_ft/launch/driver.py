@@ -268,7 +268,9 @@ def _fit(cfg: Config, uri: str) -> str:
     # rank 0's MLflow client, across every restart
     recorder_actor = start_recorder_actor(uri, run_id, cfg.waits.tracking_timeout_s)
     f = cfg.failure  # the driver's progress watchdog, across every restart (`launch.progress_watchdog`)
-    watchdog = start_watchdog(root, recorder_actor, f.hang_timeout_s, f.start_timeout_s, cfg.train.max_steps)
+    watchdog = start_watchdog(
+        root, recorder_actor, f.hang_timeout_s, f.start_timeout_s, cfg.train.max_steps, f.liveness_timeout_s
+    )
     recorder = MlflowRecorder(uri, run_id)  # the driver's own: the run's status, the failure line
     started = time.time()
     baseline = baseline_resources()  # what every attempt must leave free (launch.group_start)

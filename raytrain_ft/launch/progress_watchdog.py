@@ -17,15 +17,18 @@ Pieces, all started by the driver (`raytrain_ft.launch.driver`):
 * `probe` and `stop_process`, Ray tasks (0 CPU) pinned to a worker's node: `py-spy dump --nonblocking
   --pid` (what `ray stack` runs; without `--nonblocking` py-spy fails on a stopped process) and the
   process state from `/proc/<pid>/stat`; SIGKILL.
+* `states_of`, a Ray task (0 CPU) per node every `LIVENESS_POLL_S`: the state of each watched process
+  there, for the liveness judgement (`Progress.dead`); a node that does not answer within the poll
+  counts as silent for each of its ranks.
 
-When a rank is past its bound the watchdog: probes every watched rank; writes the stacks to
-`<run folder>/hangs/step<N>-<unix s>.txt` (`run_folder.stacks_path`) and records them through the
-run's `RecorderActor` (`Recorder.hang`: an MLflow artifact and a `hang` event with the ranks, the
-step and the seconds stalled); logs one line naming the ranks that did not arrive and the step;
-SIGKILLs those ranks. Ray Train sees their actors die (`WorkerGroupError`): under restart recovery it
-restarts the group, under replica recovery it replaces those replicas, and counts the failure
-against `failure.max_failures`. The failure's cause for those ranks is the watchdog's, not "killed"
-(`causes`, read by `launch.callbacks.FailureRecorder`).
+When a rank is past its bound, or dead by the liveness polls, the watchdog: probes every watched rank;
+writes the stacks to `<run folder>/hangs/step<N>-<unix s>.txt` (`run_folder.stacks_path`) and records
+them through the run's `RecorderActor` (`Recorder.hang`: an MLflow artifact and a `hang` event with the
+ranks, the step and the seconds stalled); logs one line naming the ranks that did not arrive and the
+step; SIGKILLs those ranks. Ray Train sees their actors die (`WorkerGroupError`): under restart recovery
+it restarts the group, under replica recovery it replaces those replicas, and counts the failure against
+`failure.max_failures`. The failure's cause for those ranks is the watchdog's, not "killed" (`causes`,
+read by `launch.callbacks.FailureRecorder`).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ft.launch.recorder_actor import RemoteRecorder
-from raytrain_ft.resilience.watchdog import Progress, Stall
+from raytrain_ft.resilience.watchdog import LIVENESS_POLL_S, Progress, Stall
 from raytrain_ft.run_folder import stacks_path
 
 log = logging.getLogger(__name__)
@@ -64,11 +67,9 @@ def _py_spy() -> str:
 @ray.remote(num_cpus=0)
 def probe(pid: int) -> tuple[str, str]:
     """(process state letter from /proc, py-spy's dump of every thread) of `pid` on this node."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone", f"process {pid} is gone\n"
+    state = _state(pid)
+    if state == "gone":
+        return state, f"process {pid} is gone\n"
     try:
         out = subprocess.run(
             [_py_spy(), "dump", "--nonblocking", "--pid", str(pid)],
@@ -80,6 +81,21 @@ def probe(pid: int) -> tuple[str, str]:
     except (OSError, subprocess.TimeoutExpired) as e:
         dump = f"py-spy failed: {e}\n"
     return state, dump
+
+
+def _state(pid: int) -> str:
+    """The /proc state letter of `pid` on this node, "gone" when it has exited."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+@ray.remote(num_cpus=0)
+def states_of(pids: list[int]) -> dict[int, str]:
+    """{pid: `_state(pid)`} of processes on this node."""
+    return {pid: _state(pid) for pid in pids}
 
 
 @ray.remote(num_cpus=0)
@@ -105,9 +121,10 @@ class ProgressWatchdog:
         step_timeout_s: float,
         start_timeout_s: float,
         max_steps: int,
+        liveness_timeout_s: float,
     ):
         self.run_root, self.recorder = run_root, RemoteRecorder(recorder_actor, wait=True, timeout_s=RECORD_TIMEOUT_S)
-        self.progress = Progress(step_timeout_s, start_timeout_s, max_steps)
+        self.progress = Progress(step_timeout_s, start_timeout_s, max_steps, liveness_timeout_s)
         self.lock = threading.Lock()
         self.stop_causes: dict[int, str] = {}
         threading.Thread(target=self._watch, name="progress-watchdog", daemon=True).start()
@@ -131,16 +148,45 @@ class ProgressWatchdog:
         return out
 
     def _watch(self) -> None:
+        polled = time.monotonic()
         while True:
             time.sleep(POLL_S)
             with self.lock:
                 stall = self.progress.stalled(time.time())
                 watched = dict(self.progress.ranks)
+            if stall is None and time.monotonic() - polled >= LIVENESS_POLL_S:
+                polled = time.monotonic()
+                states = self._states(watched)
+                with self.lock:
+                    stall = self.progress.dead(states, time.time())
             if stall is not None:
                 try:
                     self._stop_attempt(stall, watched)
                 except Exception:  # the next check tries again
                     log.exception("progress watchdog: stopping the stalled ranks failed")
+
+    def _states(self, watched: dict) -> dict[int, str | None]:
+        """rank -> process state of every watched rank (`states_of`, one task per node); None for the
+        ranks of a node that did not answer within `LIVENESS_POLL_S`."""
+        by_node: dict[str, dict[int, int]] = {}
+        for r, w in watched.items():
+            by_node.setdefault(w.node_id, {})[r] = w.pid
+        refs = {
+            n: states_of.options(scheduling_strategy=_on(n)).remote(list(ranks.values()))
+            for n, ranks in by_node.items()
+        }
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=LIVENESS_POLL_S)
+        states: dict[int, str | None] = {}
+        for node, ref in refs.items():
+            answer: dict[int, str] = {}
+            if ref in ready:
+                with contextlib.suppress(ray.exceptions.RayError):
+                    answer = ray.get(ref, timeout=0)
+            else:
+                ray.cancel(ref, force=False)
+            for r, pid in by_node[node].items():
+                states[r] = answer.get(pid)
+        return states
 
     def _stop_attempt(self, stall: Stall, watched: dict) -> None:
         refs = {r: probe.options(scheduling_strategy=_on(w.node_id)).remote(w.pid) for r, w in watched.items()}
@@ -156,9 +202,14 @@ class ProgressWatchdog:
         path = stacks_path(self.run_root, stall.step, at)
         who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
         where = f"after step {stall.step}" if stall.step is not None else "before the first step of its start"
+        bound = (
+            f"its process stopped or its node silent for {stall.bound_s:g} s: failure.liveness_timeout_s"
+            if stall.liveness
+            else f"bound {stall.bound_s:g} s"
+        )
         line = (
             f"progress watchdog: {who} did not arrive {where}: no progress for {stall.stalled_s:.0f} s "
-            f"(bound {stall.bound_s:g} s); every worker's stacks in {path}"
+            f"({bound}); every worker's stacks in {path}"
         )
         dump = (
             line
@@ -175,7 +226,8 @@ class ProgressWatchdog:
             self.recorder.hang(ranks, stall.step, dump, stall.stalled_s)
         except Exception as e:  # the stacks are in the run folder; stop the ranks anyway
             log.warning("progress watchdog: stacks not recorded in MLflow: %s", e)
-        cause = f"no progress for {stall.stalled_s:.0f} s {where} (progress watchdog; stacks: {path})"
+        dead = "; dead by liveness" if stall.liveness else ""
+        cause = f"no progress for {stall.stalled_s:.0f} s {where} (progress watchdog{dead}; stacks: {path})"
         with self.lock:
             self.stop_causes.update({r: cause for r in ranks})
             self.progress.forget(ranks, time.time())
@@ -186,12 +238,17 @@ class ProgressWatchdog:
 
 
 def start_watchdog(
-    run_root: str, recorder_actor: ray.actor.ActorHandle, step_timeout_s: float, start_timeout_s: float, max_steps: int
+    run_root: str,
+    recorder_actor: ray.actor.ActorHandle,
+    step_timeout_s: float,
+    start_timeout_s: float,
+    max_steps: int,
+    liveness_timeout_s: float,
 ) -> ray.actor.ActorHandle:
     """The run's `ProgressWatchdog`, on the driver's node (beside the `RecorderActor`)."""
     here = _on(ray.get_runtime_context().get_node_id())
     return ProgressWatchdog.options(scheduling_strategy=here).remote(  # type: ignore[attr-defined]
-        run_root, recorder_actor, step_timeout_s, start_timeout_s, max_steps
+        run_root, recorder_actor, step_timeout_s, start_timeout_s, max_steps, liveness_timeout_s
     )
 
 

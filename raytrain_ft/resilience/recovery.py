@@ -9,7 +9,8 @@ that moment), `attempt_start` (rank 0 after restore: step resumed from, world si
 per failure: wall time, cause, last completed step, step resumed from, lost steps, lost compute
 (lost steps x the step time at the failure, seconds), where the state came from (`restored_from`:
 `memory`, each rank's own node's memory tier; `peer`, some rank's copy on another node; `storage`,
-the durable checkpoint; `raytrain_ft.checkpoint.memory_tier`), the recovery's phases as seconds after the
+the durable checkpoint; `raytrain_ft.checkpoint.memory_tier`) and the restore's seconds (`restore_s`), the
+recovery's phases as seconds after the
 failure was detected (`group_ready_s`: the new worker group's process group is up and the loop
 starts; `restored_s`: the checkpoint is loaded; `first_batch_s`: the first batch is ready;
 `downtime_s`: the first step is done), world size before and after. Guard events (skipped steps, rollbacks, rank alerts,
@@ -159,6 +160,7 @@ def recovery_rows(events: list[dict]) -> list[dict]:
                 "last_step": e["last_step"],
                 "resumed_from": resumed,
                 "restored_from": start.get("restored_from", "storage") if start else None,
+                "restore_s": start.get("restore_s") if start else None,
                 "lost_steps": lost,
                 "lost_compute_s": round(lost * e["step_time_s"], 3) if lost is not None else None,
                 "group_ready_s": since(start.get("init_started_at") if start else None),

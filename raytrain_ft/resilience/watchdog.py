@@ -14,6 +14,14 @@ watchdog runs outside the workers: each rank reports every completed step (`Step
   step time so far and `MIN_STEP_TIMEOUT_S` (a rule of thumb: a healthy step is never 10x slower;
   the floor covers a step that also saves or validates).
 
+Those are progress bounds: a slow start is not a dead one, so the start bound is long (20 minutes by
+default). Liveness is judged apart, from the moment Ray Train created the rank's process: every
+`LIVENESS_POLL_S` the driver's watchdog reads each watched process's state (`/proc/<pid>/stat`, on its
+node); a process stopped (`DEAD`: SIGSTOP, a tracer, a zombie) or on a node that does not answer, for
+`failure.liveness_timeout_s` in a row, is dead whatever its progress bound says (`Progress.dead`):
+a frozen worker in a group start is found within that bound instead of the start bound (or Ray's
+RPC keepalive, minutes later).
+
 A rank past its bound stops the attempt: the driver records every worker's stacks and stops the ranks
 that did not arrive (`not_arrived`), which Ray Train counts as a failure. Under restart recovery one
 stalled rank stalls every rank (they wait for it in the next collective); under replica recovery the
@@ -41,6 +49,9 @@ MIN_STEP_TIMEOUT_S = 300.0
 # /proc/<pid>/stat states of a process that cannot be running its step: stopped by a signal or a
 # tracer, in uninterruptible sleep (a device or a filesystem that does not answer), or dead.
 NOT_RUNNING = ("T", "t", "D", "Z")
+# the states of a process that will not run again by itself (uninterruptible sleep may end: not dead)
+DEAD = ("T", "t", "Z")
+LIVENESS_POLL_S = 5.0
 
 
 class StepBeat(StepHook):
@@ -77,6 +88,7 @@ class Watched:
     since: float
     step: int | None = None
     at: float | None = None
+    down_since: float | None = None  # first liveness poll, in the current run of them, that found it dead
 
 
 @dataclass(frozen=True)
@@ -89,14 +101,16 @@ class Stall:
     step: int | None
     stalled_s: float
     bound_s: float
+    liveness: bool = False  # found dead by the liveness polls (`Progress.dead`), not by a progress bound
 
 
 class Progress:
     """The driver's view of every rank's progress (times are unix seconds). `step_timeout_s` 0: auto
     (`step_bound_s`)."""
 
-    def __init__(self, step_timeout_s: float, start_timeout_s: float, max_steps: int):
+    def __init__(self, step_timeout_s: float, start_timeout_s: float, max_steps: int, liveness_timeout_s: float = 45.0):
         self.step_timeout_s, self.start_timeout_s, self.max_steps = step_timeout_s, start_timeout_s, max_steps
+        self.liveness_timeout_s = liveness_timeout_s
         self.ranks: dict[int, Watched] = {}
         self.step_times: deque[float] = deque(maxlen=100)
 
@@ -153,6 +167,25 @@ class Progress:
         steps = [w.step for w in self.ranks.values()]
         step = None if None in steps else min(s for s in steps if s is not None)
         return Stall(sorted(late), step, now - oldest, max(self.bound_s(w) for w in late.values()))
+
+    def dead(self, states: dict[int, str | None], now: float) -> Stall | None:
+        """Judge one liveness poll (`states`: rank -> /proc state letter, None when its node did not
+        answer): the ranks found `DEAD` or unreachable in every poll for `liveness_timeout_s`, as a
+        `Stall` (`bound_s`: the liveness bound), or None. A rank found alive starts over."""
+        for r, w in self.ranks.items():
+            gone = r in states and (states[r] is None or states[r] in DEAD)
+            w.down_since = (w.down_since or now) if gone else None
+        dead = {
+            r: w
+            for r, w in self.ranks.items()
+            if w.down_since is not None and now - w.down_since >= self.liveness_timeout_s
+        }
+        if not dead:
+            return None
+        steps = [w.step for w in self.ranks.values()]
+        step = None if None in steps else min(s for s in steps if s is not None)
+        stalled = now - min(w.at or w.since for w in dead.values())
+        return Stall(sorted(dead), step, stalled, self.liveness_timeout_s, liveness=True)
 
     def not_arrived(self, stall: Stall, states: dict[int, str]) -> list[int]:
         """Which of `stall.ranks` did not arrive: the ones with the oldest progress (the lowest last

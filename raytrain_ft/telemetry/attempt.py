@@ -43,18 +43,18 @@ class AttemptRecord:
         tags: dict[str, str],
         ledger_loaded: bool,
         closed: bool,
-        restored_from: str = "",
+        restored: dict | None = None,
     ) -> None:
         """After the restore (`resumed_from`: the restored checkpoint's step, 0 on a fresh start;
         `step`: the step the attempt starts at): record the attempt with `tags` and account the time
         since the checkpoint's snapshot (`history`: the run's, as read before the restore;
         `ledger_loaded`: the checkpoint held the ledger; `closed`: a finished run submitted again,
-        whose account stays as it is; `restored_from`: the tier it came from, `memory`, `peer` or
-        `storage`, "" on a fresh start)."""
+        whose account stays as it is; `restored`: `restored_from`, the tier the state came from,
+        `memory`, `peer` or `storage` ("" on a fresh start), and `restore_s`, the restore's seconds)."""
         start = {
             "time": time.time(),
             "resumed_from": resumed_from,
-            "restored_from": restored_from,
+            **(restored or {"restored_from": ""}),
             "world_size": self.world_size,
             "init_started_at": self.init_started_at,
         }

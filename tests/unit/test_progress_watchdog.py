@@ -90,3 +90,21 @@ def test_a_rank_reports_each_step_and_times_steps_from_its_restore():
     hook.restored()
     hook.after_step(2)
     assert beats == [1, 2] and len(hook.step_times) == 2 and hook.median_step_s >= 0.0
+
+
+def test_a_process_stopped_for_the_liveness_bound_is_dead_long_before_its_start_bound():
+    """A 20-minute start bound, a 45 s liveness bound: rank 1 stopped (SIGSTOP, state T) from 10 s into its
+    start is dead at 55 s; a slow rank (sleeping, S) or one found running again in between is not."""
+    p = Progress(0.0, 1200.0, 30, liveness_timeout_s=45.0)
+    p.watch({0: (100, "n0"), 1: (101, "n1")}, now=0.0)
+    for t in range(0, 55, 5):
+        assert p.dead({0: "S", 1: "T" if t >= 10 else "R"}, float(t)) is None
+    stall = p.dead({0: "S", 1: "T"}, 55.0)
+    assert stall is not None and stall.liveness and (stall.ranks, stall.step, stall.bound_s) == ([1], None, 45.0)
+    assert p.stalled(55.0) is None  # the progress bounds alone would wait 1200 s
+
+    p = Progress(0.0, 1200.0, 30, liveness_timeout_s=45.0)
+    p.watch({0: (100, "n0")}, now=0.0)
+    assert p.dead({0: "T"}, 0.0) is None and p.dead({0: "R"}, 30.0) is None  # running again: starts over
+    assert p.dead({0: "T"}, 40.0) is None and p.dead({0: None}, 80.0) is None  # a silent node counts as down
+    assert p.dead({0: None}, 85.0) is not None
