@@ -118,7 +118,7 @@ def worker(rank: int, store: str, out: str) -> None:
     dist.barrier()
 
     restored = make_state(rank, seed=100)  # a restarted rank: other weights until the load
-    loaded, _ = restore_latest(Checkpointer(root), restored, FileSession(root), NullRecorder())
+    loaded, _, _ = restore_latest(Checkpointer(root), restored, FileSession(root), NullRecorder())
     result = {
         "first_error": first_error,
         "committed": committed,
