@@ -402,6 +402,7 @@ def _history(args: argparse.Namespace) -> int:
     console.print(f"run {run.info.run_name} ({run.info.run_id}), status {run.info.status}")
     for title, rows in report["tables"].items():
         table = Table(title=title)
+        rows = [_with_tier(r) for r in rows]
         keys = list(rows[0]) if rows else ["(none)"]
         for key in keys:
             table.add_column(key)
@@ -411,6 +412,17 @@ def _history(args: argparse.Namespace) -> int:
     console.print(", ".join(f"{k} {v:g}" for k, v in report["totals"].items()))
     console.print(_goodput_table(run.data.metrics))
     return 0
+
+
+def _with_tier(row: dict) -> dict:
+    """A recovery row for the terminal: the tier beside the step it resumed from ("18 memory"), its
+    restore's seconds left to `--json` (the table stays readable at 200 columns)."""
+    if "restore_s" not in row:  # not a restart's row (a replacement's `restored_from` is its checkpoint's step)
+        return row
+    shown = {k: v for k, v in row.items() if k not in ("restored_from", "restore_s")}
+    if row["resumed_from"] is not None and row["restored_from"]:
+        shown["resumed_from"] = f"{row['resumed_from']} {row['restored_from']}"
+    return shown
 
 
 def _goodput_table(metrics: dict[str, float]):
