@@ -1,20 +1,24 @@
 """The memory tier (`checkpoint.memory`) against durable checkpoints alone, side by side in one Ray session.
 
-Part 1, stall and restore (`--preset`, default `125m`, 2 CPU workers, the demo's stdlib corpus): two runs
-of `--steps` (20) steps with a durable checkpoint every 6 steps, one with the memory tier off, one with a
-memory checkpoint every 2 steps, each killed before step 9 by a `kill` fault (which settles both tiers
-first: the runs resume from steps 6 and 8, deterministic). Reported:
+Part 1, stall and restore (`--preset`, default `125m`, 2 CPU workers, the demo's stdlib corpus): three runs
+of `--steps` (20) steps with a durable checkpoint every 6 steps: the memory tier off with the run on local
+disk, off with the run on an S3 stand-in (moto, 127.0.0.1, as tests/test_remote_storage.py), and on (a
+memory checkpoint every 2 steps, the run on local disk), each killed before step 9 by a `kill` fault
+(which settles both tiers first: the runs resume from steps 6, 6 and 8, deterministic). Reported:
   - stall: the `checkpoint_stall_s` of the step after each save (a save's staging is waited for before the
     next optimizer step), medians for memory saves and durable saves of the memory run: memory / durable;
   - restore: the resumed attempt's `restore_s` (`Trainer.begin`, the restore alone) from memory and from
-    durable storage on local disk: memory / durable (target <= 0.25).
+    durable storage, on local disk and on the S3 stand-in: memory / durable (target <= 0.25).
 Part 2, goodput (`--rounds`, the demo config at the `small` preset, `benchmarks/goodput.py`'s runner and
 kills): restart mode with the tier off and with `checkpoint.memory.interval: auto`, under the same seeded
-SIGKILLs at random moments, and a plain Ray Train restart. Reported per variant: goodput after startup,
-lost work and restore seconds per failure, each failure's `restored_from`; the ceiling the plain restart
-alone sets (`goodput_ceiling_plain_restart`, as goodput.py); and the memory tier's interval in seconds.
-Targets: lost work per failure at most one memory interval; restart goodput with the tier at or above the
-ceiling.
+SIGKILLs at random moments, and a plain Ray Train restart. Both variants write their durable checkpoints to
+a store as slow as object storage is for a large model (`--durable-write-s`, 20 s added to every durable
+write: a `slow_save` fault; memory-tier writes are not slowed): on this machine's local disk a durable save
+costs what a memory one does, auto plans one every step and the tier has nothing to add. Reported per
+variant: goodput after startup, lost work and restore seconds per failure, each failure's `restored_from`;
+the ceiling the plain restart alone sets (`goodput_ceiling_plain_restart`, as goodput.py); and the memory
+tier's interval in seconds. Targets: lost work per failure at most one memory interval; restart goodput with
+the tier at or above the ceiling.
 
 Prints JSON and writes benchmarks/results/memory_tier.json.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import socket
 import statistics
 import time
 
@@ -43,14 +48,15 @@ DURABLE_EVERY, MEMORY_EVERY, KILL_AT = 6, 2, 9
 MEMORY_AUTO = ("checkpoint.memory.interval=auto", "checkpoint.memory.interval_steps=3")
 
 
-def stall_run(root: str, preset: str, steps: int, memory: bool) -> dict:
-    """One part-1 run; its attempts' restore and the stall after each save, by tier."""
+def stall_run(root: str, preset: str, steps: int, memory: bool, storage: str = "") -> dict:
+    """One part-1 run (durable checkpoints in `storage`, default `root`/runs); its attempts' restore and
+    the stall after each save, by tier."""
     tier = [f"checkpoint.memory.interval_steps={MEMORY_EVERY}", f"checkpoint.memory.dir={root}/shm"] if memory else []
     cfg = load_config(
         os.path.join(goodput.REPO, "configs", "demo.yaml"),
         [
             f"data.path={goodput.DATA}",
-            f"run.storage_path={root}/runs",
+            f"run.storage_path={storage or root + '/runs'}",
             "run.name=memory-tier",
             f"tracking.uri=sqlite:///{root}/mlflow.db",
             f"model.preset={preset}",
@@ -74,18 +80,44 @@ def stall_run(root: str, preset: str, steps: int, memory: bool) -> dict:
     }
 
 
-def part1(preset: str, steps: int) -> dict:
+def s3_stand_in() -> str:
+    """A local S3-compatible server (moto, as tests/test_remote_storage.py) for the durable store: the
+    environment the workers inherit names it; returns the run storage URL."""
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False).start()
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
+    )
+    s3fs.S3FileSystem().makedirs("rtft-bench", exist_ok=True)
+    return "s3://rtft-bench/runs"
+
+
+def part1(preset: str, steps: int, s3: str) -> dict:
     durable = stall_run(scratch("memory-tier-durable-"), preset, steps, memory=False)
+    on_s3 = stall_run(scratch("memory-tier-s3-"), preset, steps, memory=False, storage=s3)
     memory = stall_run(scratch("memory-tier-memory-"), preset, steps, memory=True)
     med = statistics.median
     stall_ratio = med(memory["stall_after_memory_s"]) / med(memory["stall_after_durable_s"])
-    restore_ratio = memory["restore_s"] / durable["restore_s"]
+    local, remote = memory["restore_s"] / durable["restore_s"], memory["restore_s"] / on_s3["restore_s"]
     return {
-        "durable_only": durable,
+        "durable_only_local_disk": durable,
+        "durable_only_s3_stand_in": on_s3,
         "memory_tier": memory,
         "memory_stall_over_durable_stall": stall_ratio,
-        "restore_memory_over_durable_local_disk": restore_ratio,
-        "targets_met": {"restore from memory <= 0.25 of durable (local disk)": restore_ratio <= 0.25},
+        "restore_memory_over_durable_local_disk": local,
+        "restore_memory_over_durable_s3_stand_in": remote,
+        "targets_met": {
+            "restore from memory <= 0.25 of durable (local disk)": local <= 0.25,
+            "restore from memory <= 0.25 of durable (S3 stand-in)": remote <= 0.25,
+        },
     }
 
 
@@ -99,10 +131,13 @@ def per_failure(run: dict) -> dict:
     }
 
 
-def part2(rounds: int, kills: int, mtbf_s: float, seed: int) -> dict:
+def part2(rounds: int, kills: int, mtbf_s: float, seed: int, durable_write_s: float) -> dict:
     rng = random.Random(seed)
     m = load_manifest(goodput.DATA)
-    variants = {"restart": (), "restart_memory_tier": MEMORY_AUTO}
+    # a durable store as slow as object storage is for a large model: every durable write takes
+    # `durable_write_s` more (a `slow_save` fault: the writer sleeps; memory-tier writes are not slowed)
+    slow = (f"faults=[{{kind: slow_save, step: 1, steps: 100000, seconds: {durable_write_s}, rank: -1}}]",)
+    variants = {"restart": slow, "restart_memory_tier": (*slow, *MEMORY_AUTO)}
     step_s = dict.fromkeys(variants, 1.7)
     out: list[dict] = []
     for _ in range(rounds):
@@ -110,13 +145,13 @@ def part2(rounds: int, kills: int, mtbf_s: float, seed: int) -> dict:
         ranks = [rng.randrange(2) for _ in gaps]
         rd: dict = {}
         for name, overrides in variants.items():
-            extra = (*overrides, f"checkpoint.memory.dir={scratch('memory-tier-shm-')}") if overrides else ()
+            extra = (*overrides, f"checkpoint.memory.dir={scratch('memory-tier-shm-')}")
             root = scratch(f"memory-tier-{name}-")
             r = goodput.raytrain_ft(root, "restart", gaps, ranks, mtbf_s, step_s[name], 5.0, 0, overrides=extra)
             step_s[name] = r["median_step_time_s"] or step_s[name]
             r["goodput_after_startup"] = goodput.after_startup(r)
             r["per_failure"] = per_failure(r)
-            if overrides:
+            if name != "restart":
                 history = MlflowClient(f"sqlite:///{root}/mlflow.db").get_metric_history(
                     r["run_id"], "memory_checkpoint_interval_s"
                 )
@@ -154,21 +189,24 @@ def main() -> None:
     p.add_argument("--preset", default="125m")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=1, help="goodput rounds (0: part 1 only)")
+    p.add_argument("--skip-part1", action="store_true", help="goodput only (part 1's figures stay as they were)")
     p.add_argument("--kills", type=int, default=2)
     p.add_argument("--mtbf-s", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--durable-write-s", type=float, default=20.0, help="part 2: seconds added to each durable write")
     p.add_argument("--out", default=default_out("memory_tier"))
     args = p.parse_args()
     started = time.time()
     if not os.path.exists(os.path.join(goodput.DATA, "manifest.json")):
         prepare(None, goodput.DATA, PrepareSettings(seq_len=256, vocab_size=8192))
     os.environ.update(RAY_NODE_ENV)
+    s3 = s3_stand_in()  # before Ray starts: its workers inherit the endpoint
     ray.init(
         address="local", num_cpus=3, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": WORKER_ENV}
     )
-    result = {"stall_and_restore": part1(args.preset, args.steps)}
+    result = {} if args.skip_part1 else {"stall_and_restore": part1(args.preset, args.steps, s3)}
     if args.rounds:
-        result["goodput"] = part2(args.rounds, args.kills, args.mtbf_s, args.seed)
+        result["goodput"] = part2(args.rounds, args.kills, args.mtbf_s, args.seed, args.durable_write_s)
     ray.shutdown()
     report({"scale": vars(args), "elapsed_s": time.time() - started, **result}, args.out)
 

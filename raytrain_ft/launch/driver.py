@@ -320,7 +320,7 @@ def _fit(cfg: Config, uri: str) -> str:
     close(recorder_actor)
     finish_run(recorder, root, failed=False)  # raises the error a worker ended the run with (a full disk)
     if cfg.checkpoint.memory.enabled:
-        memory_keeper.drop_run(run_id)
+        memory_keeper.drop_run(cfg.checkpoint.memory.dir, run_id)
     return run_id
 
 

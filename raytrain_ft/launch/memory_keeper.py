@@ -36,34 +36,32 @@ def keeper_name(node: str) -> str:
 
 @ray.remote(num_cpus=0)
 class Keeper:
-    """The copies of one node (`base`: `<checkpoint.memory.dir>/<node id>`), for callers on other nodes."""
+    """The copies of one node, for callers on other nodes. Each call names the run's folder on this node
+    (`<checkpoint.memory.dir>/<node id>/<run key>`): one keeper serves every run and every `dir`."""
 
-    def __init__(self, base: str):
-        self.base = base
-
-    def put(self, key: str, rank: int, step: int, files: dict[str, bytes]) -> bool:
+    def put(self, node_dir: str, rank: int, step: int, files: dict[str, bytes]) -> bool:
         """Write a peer's copy and verify every byte; True when intact."""
-        folder = copies.copy_path(os.path.join(self.base, key), rank, step)
+        folder = copies.copy_path(node_dir, rank, step)
         copies.write_files(folder, files)
         problems = copies.verify(folder)
         if problems:
             log.warning("peer copy of rank %d step-%d is damaged: %s", rank, step, "; ".join(problems))
         return not problems
 
-    def commit(self, key: str, rank: int, step: int, topology: dict) -> bool:
-        return copies.commit(os.path.join(self.base, key), rank, step, topology)
+    def commit(self, node_dir: str, rank: int, step: int, topology: dict) -> bool:
+        return copies.commit(node_dir, rank, step, topology)
 
-    def inventory(self, key: str) -> dict[int, dict[int, dict]]:
-        return copies.inventory(os.path.join(self.base, key))
+    def inventory(self, node_dir: str) -> dict[int, dict[int, dict]]:
+        return copies.inventory(node_dir)
 
-    def get(self, key: str, rank: int, step: int) -> dict[str, bytes]:
-        return copies.read_files(copies.copy_path(os.path.join(self.base, key), rank, step))
+    def get(self, node_dir: str, rank: int, step: int) -> dict[str, bytes]:
+        return copies.read_files(copies.copy_path(node_dir, rank, step))
 
-    def discard_after(self, key: str, step: int) -> list[tuple[int, int]]:
-        return copies.discard_after(os.path.join(self.base, key), step)
+    def discard_after(self, node_dir: str, step: int) -> list[tuple[int, int]]:
+        return copies.discard_after(node_dir, step)
 
-    def drop(self, key: str) -> None:
-        shutil.rmtree(os.path.join(self.base, key), ignore_errors=True)
+    def drop(self, node_dir: str) -> None:
+        shutil.rmtree(node_dir, ignore_errors=True)
 
 
 def _live_keepers() -> dict[str, ray.actor.ActorHandle]:
@@ -101,39 +99,43 @@ class RayKeepers:
 
     def __init__(self, memory_dir: str, run_id: str, timeout_s: float):
         self.node = ray.get_runtime_context().get_node_id()
-        self.key, self.timeout_s = copies.run_key(run_id), timeout_s
-        self.node_dir = os.path.join(memory_dir, self.node, self.key)
+        self.memory_dir, self.key, self.timeout_s = memory_dir, copies.run_key(run_id), timeout_s
+        self.node_dir = self.dir_on(self.node)
         Keeper.options(  # type: ignore[attr-defined]
             name=keeper_name(self.node),
             namespace=NAMESPACE,
             lifetime="detached",
             get_if_exists=True,
             scheduling_strategy=NodeAffinitySchedulingStrategy(self.node, soft=False),
-        ).remote(os.path.join(memory_dir, self.node))
+        ).remote()
+
+    def dir_on(self, node: str) -> str:
+        """The run's folder on `node` (read or written there only, by that node's keeper or its ranks)."""
+        return run_dir(self.memory_dir, node, self.key)
 
     def replicate(self, rank: int, step: int, nodes: list[str]) -> int:
         if not nodes:
             return 0
         files = ray.put(copies.read_files(copies.copy_path(self.node_dir, rank, step)))
         keepers = _live_keepers()
-        calls = {n: keepers[n].put.remote(self.key, rank, step, files) for n in nodes if n in keepers}
+        calls = {n: keepers[n].put.remote(self.dir_on(n), rank, step, files) for n in nodes if n in keepers}
         return sum(1 for ok in _gather(calls, self.timeout_s).values() if ok) if calls else 0
 
     def commit(self, rank: int, step: int, nodes: list[str], topology: dict) -> int:
         keepers = _live_keepers()
-        calls = {n: keepers[n].commit.remote(self.key, rank, step, topology) for n in nodes if n in keepers}
+        calls = {n: keepers[n].commit.remote(self.dir_on(n), rank, step, topology) for n in nodes if n in keepers}
         own = int(copies.commit(self.node_dir, rank, step, topology))
         return own + sum(1 for ok in (_gather(calls, self.timeout_s) if calls else {}).values() if ok)
 
     def inventory(self) -> dict[str, dict[int, dict[int, dict]]]:
-        calls = {n: k.inventory.remote(self.key) for n, k in _live_keepers().items()}
+        calls = {n: k.inventory.remote(self.dir_on(n)) for n, k in _live_keepers().items()}
         return _gather(calls, self.timeout_s) if calls else {}  # type: ignore[return-value]
 
     def fetch(self, node: str, rank: int, step: int) -> str:
         keeper = _live_keepers().get(node)
         if keeper is None:
             raise TimeoutError(f"node {node} has no live keeper")
-        answer = _gather({node: keeper.get.remote(self.key, rank, step)}, self.timeout_s)
+        answer = _gather({node: keeper.get.remote(self.dir_on(node), rank, step)}, self.timeout_s)
         if node not in answer:
             raise TimeoutError(f"the keeper of node {node} did not answer within {self.timeout_s:g} s")
         folder = os.path.join(self.node_dir, "fetched", f"rank-{rank}", f"step-{step}")
@@ -141,15 +143,20 @@ class RayKeepers:
         return folder
 
     def discard_after(self, step: int) -> None:
-        calls = {n: k.discard_after.remote(self.key, step) for n, k in _live_keepers().items()}
+        calls = {n: k.discard_after.remote(self.dir_on(n), step) for n, k in _live_keepers().items()}
         if calls:
             _gather(calls, self.timeout_s)
 
 
-def drop_run(run_id: str) -> None:
-    """Delete the copies of the finished run `run_id` (its MLflow run id) on every live node (the
-    driver, after the run succeeded: a finished run is not restored from memory)."""
+def run_dir(memory_dir: str, node: str, key: str) -> str:
+    """`<checkpoint.memory.dir>/<node id>/<run key>`: a run's copies on one node."""
+    return os.path.join(memory_dir, node, key)
+
+
+def drop_run(memory_dir: str, run_id: str) -> None:
+    """Delete the copies of the finished run `run_id` (its MLflow run id) under `memory_dir` on every
+    live node (the driver, after the run succeeded: a finished run is not restored from memory)."""
     key = copies.run_key(run_id)
-    calls = {n: k.drop.remote(key) for n, k in _live_keepers().items()}
+    calls = {n: k.drop.remote(run_dir(memory_dir, n, key)) for n, k in _live_keepers().items()}
     if calls:
         _gather(calls, 30.0)
