@@ -82,8 +82,9 @@ from raytrain_ft.checkpoint.interval import daly_interval_s, expected_waste_frac
 from raytrain_ft.config import load_config
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.prepare import PrepareSettings
-from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV, run
+from raytrain_ft.launch.driver import WORKER_ENV, run
 from raytrain_ft.launch.prepare import prepare
+from raytrain_ft.launch.ray_start import RAY_NODE_ENV
 from raytrain_ft.model.llama import build_model, lm_loss
 from raytrain_ft.resilience.recovery import failures, recovery_rows, replacement_rows
 from raytrain_ft.run_folder import worker_records, write_worker_record

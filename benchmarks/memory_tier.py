@@ -39,8 +39,9 @@ from mlflow.tracking import MlflowClient
 from raytrain_ft.config import load_config
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.prepare import PrepareSettings
-from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV, run
+from raytrain_ft.launch.driver import WORKER_ENV, run
 from raytrain_ft.launch.prepare import prepare
+from raytrain_ft.launch.ray_start import RAY_NODE_ENV
 from raytrain_ft.telemetry.tracking import MlflowRecorder
 from report import default_out, report, scratch
 

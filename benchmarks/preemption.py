@@ -53,8 +53,9 @@ def one(mode: str, preset: str, workdir: str, steps_after: int) -> None:
     from ray.cluster_utils import Cluster
 
     from raytrain_ft.data.prepare import PrepareSettings
-    from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV
+    from raytrain_ft.launch.driver import WORKER_ENV
     from raytrain_ft.launch.prepare import prepare
+    from raytrain_ft.launch.ray_start import RAY_NODE_ENV
 
     os.environ.update({**RAY_NODE_ENV, **WORKER_ENV})
     # tests/scenarios/replica_preemption.py's layout: the head (driver, Train controller, torchft

@@ -7,7 +7,6 @@ Exit status 2 with a one-line message on a user error.
 
 import argparse
 import logging
-import os
 import signal
 import sys
 
@@ -15,7 +14,8 @@ import ray
 
 from raytrain_ft.config import load_config
 from raytrain_ft.errors import UserError
-from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV, Terminated, run
+from raytrain_ft.launch import ray_start
+from raytrain_ft.launch.driver import Terminated, job_runtime_env, run
 from raytrain_ft.launch.tracking_server import lasting_path
 from raytrain_ft.preflight import problems
 
@@ -37,14 +37,9 @@ def check_before_ray(cfg) -> None:
 
 
 def init_ray(num_cpus: int) -> None:
-    runtime_env = {"env_vars": WORKER_ENV}
-    if os.environ.get("RAY_ADDRESS"):  # set by `ray job submit` and by users of a running cluster
-        ray.init(runtime_env=runtime_env)
-    else:
-        os.environ.update(RAY_NODE_ENV)  # read by the local raylet this starts
-        # The dashboard (on 127.0.0.1) serves the State API that Ray Train's placement-group cleaner
-        # polls; without it the cleaner logs "State API may be temporarily unavailable" every second.
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, runtime_env=runtime_env)
+    # the dashboard (on 127.0.0.1) serves the State API that Ray Train's placement-group cleaner polls;
+    # without it the cleaner logs "State API may be temporarily unavailable" every second
+    ray_start.start(num_cpus, include_dashboard=True, runtime_env=job_runtime_env())
 
 
 def main(argv: list[str] | None = None) -> int:

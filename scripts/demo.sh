@@ -5,11 +5,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 source .venv/bin/activate
-export RAY_AUTH_MODE=disabled  # a local, loopback-only head; see docs/cluster.md "Ray authentication"
+export RAY_AUTH_MODE=token  # Ray's token (~/.ray/auth_token) for the clients below; docs/cluster.md#security
 python jobs/prepare_data.py --output data/stdlib
-RAY_num_workers_soft_limit=16 RAY_JOB_STOP_WAIT_TIME_S=30 ray start --head --num-cpus=2 --dashboard-host=127.0.0.1 --disable-usage-stats >/dev/null
+bash scripts/start_head.sh >/dev/null  # token authentication, listening on 127.0.0.1 only
 trap 'ray stop >/dev/null 2>&1 || true' EXIT
-for _ in $(seq 1 60); do curl -sf http://127.0.0.1:8265/api/version >/dev/null && break; sleep 1; done
+AUTH="Authorization: Bearer $(ray get-auth-token)"
+for _ in $(seq 1 60); do curl -sf -H "$AUTH" http://127.0.0.1:8265/api/version >/dev/null && break; sleep 1; done
 RUN_NAME="demo-$(date +%Y%m%d-%H%M%S)"  # a new run each time, so the injected failure happens again
 SUBMIT_LOG="$(mktemp)"
 AGENT_DEADLINE=$((SECONDS + 90))

@@ -3,7 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-export RAY_AUTH_MODE=disabled  # local test clusters only; see docs/cluster.md "Ray authentication"
 .venv/bin/ruff format --check raytrain_ft jobs tests benchmarks scripts
 .venv/bin/ruff check raytrain_ft jobs tests benchmarks scripts
 .venv/bin/mypy  # the package; settings in pyproject.toml [tool.mypy]

@@ -9,16 +9,28 @@ Two helpers every resume test uses (keep their names: other test files depend on
 
 from __future__ import annotations
 
+import os
+import secrets
+import tempfile
+
+# Every Ray of the tests runs as the demo's does (docs/cluster.md#security): token authentication,
+# one token for every Ray instance and client of the session (this process's children inherit it)
+# in a file of its own, so that the user's ~/.ray/auth_token is neither read nor written; and
+# listening on loopback only (`ray_start.LOOPBACK_ENV`; the multi-node `Cluster`s too). Set before the
+# first `import ray`: Ray reads RAY_AUTH_MODE once, when it is imported.
+_RAY_TOKEN = os.path.join(tempfile.mkdtemp(prefix="ray-token-"), "auth_token")
+with open(os.open(_RAY_TOKEN, os.O_WRONLY | os.O_CREAT, 0o600), "w") as _f:
+    _f.write(secrets.token_hex(32))  # as Ray's `ray get-auth-token --generate` makes one
+os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=_RAY_TOKEN, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+
 import glob
 import json
-import os
 import pickle
 import shutil
 import socket
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import threading
 import time
 
@@ -33,11 +45,14 @@ from raytrain_ft.config import TrainSection, load_config
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import EpochOrder, steps_per_epoch
 from raytrain_ft.data.prepare import PrepareSettings
-from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV
+from raytrain_ft.launch.driver import job_runtime_env
 from raytrain_ft.launch.prepare import prepare
+from raytrain_ft.launch.ray_start import LOOPBACK_ENV, RAY_NODE_ENV
 from raytrain_ft.run_folder import step_path
 from raytrain_ft.schedule import lr_schedule
 from raytrain_ft.telemetry.tracking import MlflowRecorder
+
+assert LOOPBACK_ENV.items() <= os.environ.items()  # the setting above is ray_start's
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(REPO, "tests")
@@ -76,7 +91,6 @@ def run_scenario(script: str, *args: str, timeout_s: float = 900) -> dict:
         # tests/ on the path: a scenario imports its siblings as `scenarios.<name>`, as the tests do
         env={
             **os.environ,
-            "RAY_AUTH_MODE": "disabled",
             "PYTHONPATH": os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])),
         },
     )
@@ -105,7 +119,9 @@ def ray_local():
     attempt of test_watchdog.py."""
     os.environ.update(RAY_NODE_ENV)
     port = free_port()
-    env = {**WORKER_ENV, "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}
+    # job_runtime_env: the MLflow credentials too, set in this process's environment for the tests'
+    # clients and the scenarios' processes, as a job does (tests/test_recovery.py's tracking server)
+    env = {**job_runtime_env()["env_vars"], "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}
     ray.init(
         address="local",
         num_cpus=3,

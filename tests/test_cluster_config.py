@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -27,7 +29,7 @@ from jsonschema import ValidationError
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 from raytrain_ft.config import load_config
-from raytrain_ft.launch.driver import RAY_NODE_ENV
+from raytrain_ft.launch.ray_start import RAY_NODE_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER_FILES = ["cluster.yaml", "cluster-gcp.yaml"]
@@ -146,8 +148,49 @@ def test_commands_install_the_project_and_set_nccl_env(name):
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in workers
     everything = yaml.safe_dump(config)
     assert "NCCL_TIMEOUT=" not in everything  # not read by PyTorch: failure.collective_timeout_s is
-    # the auth mode is set explicitly and identically on every node
-    # ... and every raylet keeps idle workers for Ray Data's read tasks (RAY_NODE_ENV)
+    # every raylet keeps idle workers for Ray Data's read tasks (RAY_NODE_ENV)
     for cmds in (config["head_start_ray_commands"], config["worker_start_ray_commands"]):
-        assert "export RAY_AUTH_MODE=" in " ; ".join(cmds)
         assert all(f"export {k}={v};" in " ; ".join(cmds) for k, v in RAY_NODE_ENV.items())
+    assert "disabled" not in everything  # token authentication on every node, never switched off
+
+
+NO_TOKEN = (
+    "error: no Ray token at ~/.ray/auth_token on this node: run 'ray get-auth-token --generate' where you run "
+    "ray up, then ray up again"
+)
+
+
+def start_node(commands: list[str], home: Path) -> tuple[int, str, list[str]]:
+    """Run a node's start commands as `ray up` does (in order, until one fails) in a shell whose home is
+    `home`, with a `ray` on PATH that only records its RAY_AUTH_MODE and arguments: (exit status of the
+    last command run, its stderr, the recorded `ray` calls)."""
+    calls, bin_dir = home.parent / "ray-calls", home.parent / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / "ray"
+    fake.write_text(f'#!/bin/sh\necho "$RAY_AUTH_MODE $*" >> {calls}\n')
+    fake.chmod(0o755)
+    env = {"HOME": str(home), "PATH": f"{bin_dir}:/usr/bin:/bin", "RAY_HEAD_IP": "10.0.0.1"}
+    for command in commands:
+        r = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=30)
+        if r.returncode:
+            break
+    recorded = calls.read_text().splitlines() if calls.exists() else []
+    calls.unlink(missing_ok=True)
+    return r.returncode, r.stderr, recorded
+
+
+@pytest.mark.parametrize("name", CLUSTER_FILES)
+@pytest.mark.parametrize("node", ["head_start_ray_commands", "worker_start_ray_commands"])
+def test_a_node_without_a_ray_token_refuses_in_one_line_and_starts_ray_with_token_auth(name, node, tmp_path):
+    commands = ray_validate(load(name))[node]  # as `ray up` renders them
+    home = tmp_path / "home"
+    home.mkdir()
+    rc, stderr, calls = start_node(commands, home)
+    assert (rc, stderr.strip().splitlines(), calls) == (1, [NO_TOKEN], [" stop"])  # never `ray start`
+    (home / ".ray").mkdir()
+    (home / ".ray" / "auth_token").write_text("")  # an empty token is no token
+    assert start_node(commands, home)[:2] == (1, NO_TOKEN + "\n")
+    (home / ".ray" / "auth_token").write_text("0123456789abcdef0123456789abcdef")
+    rc, stderr, calls = start_node(commands, home)
+    assert rc == 0, stderr
+    assert calls[-1].startswith("token start ")

@@ -1,19 +1,25 @@
 """The job entry points as users run them: `python jobs/pretrain.py` for the user errors, and on one
-`ray start --head` for the module: `ray job submit`, `ray job stop`, a dead driver, resubmission."""
+head started as the demo starts it (`scripts/start_head.sh`) for the module: `ray job submit`, `ray job
+stop`, a dead driver, resubmission; and that head's security: loopback only, no client without its token."""
 
 from __future__ import annotations
 
 import glob
+import ipaddress
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -22,11 +28,12 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from conftest import REPO, events, free_port, make_config, sqlite_store
 from raytrain_ft.errors import ConfigError
 from raytrain_ft.launch.driver import preflight
+from raytrain_ft.launch.ray_start import LOOPBACK_ENV
 
 PRETRAIN = os.path.join(REPO, "jobs", "pretrain.py")
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
 BIN = os.path.dirname(sys.executable)
-ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "PATH": f"{BIN}:{os.environ['PATH']}"}
+ENV = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}"}  # with the session's Ray token (conftest)
 
 
 def run_args(tmp_path, dataset, *extra):
@@ -83,10 +90,16 @@ def kill_session(sid: int) -> None:
             pass
 
 
+class Head(NamedTuple):
+    address: str  # the dashboard's (job submission) http:// address
+    temp_dir: str  # its --temp-dir
+    session: int  # the session id of its processes
+
+
 @pytest.fixture(scope="module")
-def head() -> Iterator[str]:
-    """A `ray start --head` (2 CPUs) for the module's jobs; yields its dashboard (job submission) address
-    once the head has run a job.
+def ray_head() -> Iterator[Head]:
+    """A head started by the demo's own `scripts/start_head.sh` (2 CPUs, token auth, loopback) for the
+    module's jobs; yields it once it has run a job.
 
     Only the dashboard's port is chosen here; Ray binds every other port itself (0), since a port
     picked free here can be taken by a worker of the test session's own Ray before the head binds it.
@@ -98,25 +111,19 @@ def head() -> Iterator[str]:
     temp_dir = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # short: Ray's socket paths live under it
     proc = subprocess.Popen(
         [
-            os.path.join(BIN, "ray"),
-            "start",
-            "--head",
+            "bash",
+            os.path.join(REPO, "scripts", "start_head.sh"),
             "--block",
             "--port=0",
-            "--num-cpus=2",
-            "--dashboard-host=127.0.0.1",
             f"--dashboard-port={dashboard}",
             "--dashboard-agent-listen-port=0",
             "--dashboard-agent-grpc-port=0",
             "--metrics-export-port=0",
             f"--temp-dir={temp_dir}",
-            "--disable-usage-stats",
         ],
-        # the job drivers inherit it (PYTHONPATH included). RAY_JOB_STOP_WAIT_TIME_S: `ray job stop`'s
-        # SIGTERM-to-SIGKILL grace (default 3 s) cut the driver's ending (the recorder's flush, the
-        # KILLED status) short on this shared 2-core machine: the job supervisor logged "has timed out
-        # after 3 seconds ... force-killed" and the MLflow run stayed RUNNING
-        env={**ENV, "RAY_JOB_STOP_WAIT_TIME_S": "30"},
+        # what the script sets, it sets itself (not from the session's environment); the job drivers
+        # inherit the rest (PYTHONPATH and the session's Ray token included)
+        env={k: v for k, v in ENV.items() if k not in ("RAY_AUTH_MODE", *LOOPBACK_ENV)},
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -124,11 +131,16 @@ def head() -> Iterator[str]:
     address = f"http://127.0.0.1:{dashboard}"
     try:
         wait_until_it_runs_a_job(address, temp_dir, timeout=180)
-        yield address
+        yield Head(address, temp_dir, proc.pid)
     finally:
         kill_session(proc.pid)
         proc.wait()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def head(ray_head: Head) -> str:
+    return ray_head.address
 
 
 def wait_until_it_runs_a_job(address: str, temp_dir: str, timeout: float) -> None:
@@ -292,3 +304,72 @@ def test_a_stopped_job_and_a_killed_driver_are_resubmitted_into_one_finished_run
     assert "model.preset: checkpoint tiny vs config small" in line
     assert os.path.exists(tmp_path / "runs" / name / f"step-{steps}" / ".metadata")  # nothing was deleted
     assert the_run().info.status == "FINISHED"  # nor reopened
+
+
+def listening(session: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket listening in a process of `session` (the head's processes
+    and those they started; read from /proc, IPv4 and IPv6)."""
+    inodes = set()
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            if os.getsid(int(pid)) != session:
+                continue
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[len("socket:[") : -1])
+        except OSError:  # gone, or not ours to read
+            continue
+    found = []
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            hex_ip, hex_port = fields[1].split(":")
+            raw = b"".join(int(hex_ip[i : i + 8], 16).to_bytes(4, "little") for i in range(0, len(hex_ip), 8))
+            found.append((socket.inet_ntop(family, raw), int(hex_port, 16)))
+    return found
+
+
+def test_every_process_of_the_demo_head_listens_on_loopback_only(ray_head):
+    sockets = listening(ray_head.session)
+    gcs_port = int(next(Path(ray_head.temp_dir, "session_latest").glob("gcs_server_port_*")).read_text())
+    dashboard_port = int(ray_head.address.rsplit(":", 1)[1])
+    assert {gcs_port, dashboard_port} <= {port for _, port in sockets}  # the reading sees the head's ports
+    # a loopback address, IPv4 or IPv4-mapped IPv6 (not 0.0.0.0 / :: or the machine's network address)
+    beyond = [(a, p) for a, p in sockets if not ipaddress.ip_address(a.removeprefix("::ffff:")).is_loopback]
+    assert beyond == [], f"listening beyond loopback: {beyond}"
+
+
+def refused_driver(gcs: str, env: dict[str, str]) -> str:
+    """Connect a driver to `gcs` with `env`; return the first line of its output naming the refused
+    token (Ray retries the GCS for about 20 s before giving up: the driver is stopped at that line)."""
+    code = f"import ray; ray.init(address={gcs!r}); print('connected')"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # bounded: the driver gives up by itself within ~20 s
+            assert line.strip() != "connected", "a driver without the head's token connected"
+            if "InvalidAuthToken" in line:
+                return line
+        pytest.fail("the driver ended without an authentication error")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_demo_head_refuses_job_and_driver_clients_without_its_token(ray_head):
+    token = Path(os.environ["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
+    jobs = f"{ray_head.address}/api/jobs/"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(jobs, timeout=30)
+    assert refused.value.code == 401
+    with urllib.request.urlopen(urllib.request.Request(jobs, headers={"Authorization": f"Bearer {token}"})) as r:
+        assert r.status == 200
+    gcs = "127.0.0.1:" + next(Path(ray_head.temp_dir, "session_latest").glob("gcs_server_port_*")).read_text()
+    without = {k: v for k, v in ENV.items() if k not in ("RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")}
+    for env in ({**without, "RAY_AUTH_MODE": "disabled"}, {**without, "RAY_AUTH_TOKEN": "0" * 64}):
+        assert "Authentication token is missing or incorrect" in refused_driver(gcs, env)

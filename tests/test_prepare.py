@@ -158,7 +158,6 @@ def run_prepare(*args):
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
     )
 
 

@@ -45,7 +45,7 @@ def test_s3_data_and_checkpoints_resume_to_the_local_weights(tmp_path, s3_env, d
     import s3fs
 
     s3fs.S3FileSystem().put(dataset, "rtft/data/tiny", recursive=True)
-    env = {**os.environ, **s3_env, "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, **s3_env}
     common = ["run.name=s3", "train.max_steps=30"]
     job = subprocess.run(
         [

@@ -56,7 +56,7 @@ def test_a_relative_path_inside_rays_working_dir_copy_is_refused_in_one_line(tmp
     assert lasting_path("runs", "run.storage_path") == f"{tmp_path}/runs"
 
 
-def test_without_a_uri_every_node_reaches_the_tracking_server(tmp_path):
+def test_without_a_uri_every_node_reaches_the_tracking_server_with_the_jobs_credentials_only(tmp_path):
     outcome = run_scenario("tracking_cluster.py", str(tmp_path), timeout_s=600)
     # an mlflow server on the head's cluster-internal address, not a per-node SQLite path
     assert outcome["uri"].startswith(f"http://{outcome['head_address']}:")
@@ -68,6 +68,8 @@ def test_without_a_uri_every_node_reaches_the_tracking_server(tmp_path):
     # ... and the store is the default one, in the driver's home folder
     assert len(list((tmp_path / "raytrain-ft" / "mlartifacts").rglob("probe.txt"))) == 2
     assert (tmp_path / "raytrain-ft" / "mlflow.db").exists()
+    # the nodes logged with the credentials of the job's runtime env; without them: refused
+    assert outcome["refused"] == 401
 
 
 def test_training_workers_do_not_import_mlflow():

@@ -22,7 +22,7 @@ from raytrain_ft.launch.group_start import START_TIMEOUT_ENV, StartCleaner, base
 from raytrain_ft.launch.progress_watchdog import start_watchdog
 from raytrain_ft.launch.recorder_actor import RemoteRecorder, close, start_recorder_actor
 from raytrain_ft.launch.start_faults import StartFaultConfig, StartFaults
-from raytrain_ft.launch.tracking_server import lasting_path, tracking_store
+from raytrain_ft.launch.tracking_server import lasting_path, tracking_credentials, tracking_store
 from raytrain_ft.launch.worker import train_func
 from raytrain_ft.preflight import problems
 from raytrain_ft.resilience.recovery import GROUP_START, cause_text, failures, root_first, who
@@ -48,14 +48,13 @@ WORKER_ENV = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
 }
 
-# Ray kills a node's idle worker processes beyond its *available* CPUs after 1 s (ray-project/ray#36766).
-# The training workers reserve the CPUs, so the 0-CPU read tasks of Ray Data (launch/datasource.py)
-# lost their idle workers between tasks, and after every restart the raylet started new Python
-# processes for them: ~1 s of CPU each on the recovery's critical path (benchmarks/goodput.py; a
-# profile showed two per restart). Every raylet keeps this many idle workers instead. Read by the
-# raylet from its environment: set where Ray starts (`ray start` in scripts/demo.sh and cluster.yaml;
-# `os.environ.update(RAY_NODE_ENV)` before a local `ray.init`, as jobs/pretrain.py does).
-RAY_NODE_ENV = {"RAY_num_workers_soft_limit": "16"}
+
+def job_runtime_env() -> dict[str, dict[str, str]]:
+    """The runtime env a job's `ray.init` gives every task and actor it starts (the Train controller,
+    its workers, the recorder and keeper actors): `WORKER_ENV` and the MLflow credentials
+    (`tracking_server.tracking_credentials`: the environment's, else new ones the job's own tracking
+    server will admit). Ray merges it into each task's and actor's own `env_vars`."""
+    return {"env_vars": {**WORKER_ENV, **tracking_credentials()}}
 
 
 class RunFailed(UserError):

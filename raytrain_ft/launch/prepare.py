@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import heapq
 import json
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -66,6 +65,7 @@ from raytrain_ft.data.prepare import (
     validation_size,
 )
 from raytrain_ft.errors import DataError
+from raytrain_ft.launch import ray_start
 
 FILES_PER_READ_TASK = 16  # files one read task interleaves: the window of the document shuffle
 # Read and write tasks' CPUs. Unlike the tokenize tasks' 1, so Ray Data fuses neither into the
@@ -172,7 +172,7 @@ def prepare(input_pattern: str | None, output: str, settings: PrepareSettings) -
         return PrepareReport(existing, True, 0.0)
     started, own_ray = time.perf_counter(), not ray.is_initialized()
     if own_ray:  # the cluster in RAY_ADDRESS (`ray job submit`), else a new local instance
-        ray.init(address=None if os.environ.get("RAY_ADDRESS") else "local", include_dashboard=False)
+        ray_start.start()
     try:
         return _run(files, input_pattern or default_corpus(), output, fs, out, settings, given, fp, started)
     finally:

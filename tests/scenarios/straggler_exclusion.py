@@ -26,7 +26,8 @@ import ray
 from ray.cluster_utils import Cluster
 
 from raytrain_ft.config import Config, load_config
-from raytrain_ft.launch.driver import RAY_NODE_ENV, WORKER_ENV, run
+from raytrain_ft.launch.driver import WORKER_ENV, run
+from raytrain_ft.launch.ray_start import RAY_NODE_ENV
 from raytrain_ft.run_folder import read_exclusions, run_root, worker_records
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
