@@ -11,10 +11,16 @@ rebalancing could buy nothing), the runs one after the other (`runs_of`: one row
 rank 1 at factor 2 from step 11 (a `slow` fault), `warn` and `rebalance` (`--steps` each);
 `exclude`: what training runs at after the exclusion, the same G on W - 1 healthy ranks (the
 exclusion's restart through the Ray driver, which this Ray-free script does not run, is
-tests/test_straggler_exclusion.py's, and a restart's cost is the goodput benchmark's). Each rank
-needs a core of its own for the throughput rows to mean anything: the `slow` fault sleeps, and on
-fewer cores than ranks the sleeping rank frees a core for the others; the detection rows (noise,
-false flags, delay) hold either way.
+tests/test_straggler_exclusion.py's, and a restart's cost is the goodput benchmark's). With real
+compute only, each rank needs a core of its own for the throughput rows to mean anything: the `slow`
+fault sleeps, and on fewer cores than ranks the sleeping rank frees a core for the others.
+`--device-seconds S` adds a simulated accelerator to every run: each rank waits S per sequence of its
+share inside its forward/backward, holding no CPU (a `device` fault, `raytrain_ft.resilience.faults`;
+`--jitter J`: each step's wait x (1 + u), u uniform in [-J, J]), and the `slow` fault scales that wait:
+with S well above the real compute, the rows hold at W ranks on fewer cores, as on W GPUs driven by
+W host processes. The all-reduce, optimizer step and data feed stay real. `--runs healthy,uneven`
+with many `--healthy-steps` measures false flags alone (`false_flags_per_rank_step`: flags over the
+rank-steps judged in the two runs).
 From each run's MLflow metrics (`train/compute_s_per_seq_rank<r>`) and events: each rank's
 slowness (`straggler.slowness`, at the run's shares; percentiles over the healthy runs' steps), the
 `straggler` events (a flag in a healthy run is a false flag), the delay from the fault's first step
@@ -54,7 +60,7 @@ from raytrain_ft.telemetry.tracking import MlflowRecorder  # noqa: E402
 from report import default_out, report, scratch  # noqa: E402
 
 F, SLOW_FROM, STEADY_FROM, SEQ_LEN = 2.0, 11, 31, 128
-SLOW = f"faults=[{{kind: slow, rank: 1, factor: {F}, step: {SLOW_FROM}, steps: 100000}}]"
+SLOW = f"{{kind: slow, rank: 1, factor: {F}, step: {SLOW_FROM}, steps: 1000000}}"
 
 
 def runs_of(w: int, g: int) -> dict[str, tuple[int, int, bool, tuple[str, ...]]]:
@@ -63,10 +69,17 @@ def runs_of(w: int, g: int) -> dict[str, tuple[int, int, bool, tuple[str, ...]]]
     return {
         "healthy": (g, w, False, ()),
         "uneven": (g - w + 1, w, False, ()),
-        "warn": (g, w, True, (SLOW,)),
-        "rebalance": (g, w, True, (SLOW, "straggler.action=rebalance")),
+        "warn": (g, w, True, ()),
+        "rebalance": (g, w, True, ("straggler.action=rebalance",)),
         "exclude": (g, w - 1, False, ()),
     }
+
+
+def faults(slow: bool, device_s: float, jitter: float) -> str:
+    """The `faults` override: rank 1 at factor F from SLOW_FROM (`slow`), and with `device_s` > 0 the
+    simulated accelerator on every rank (a `device` wait of `device_s` per sequence, +-`jitter`)."""
+    device = f"{{kind: device, rank: -1, step: 1, steps: 1000000, seconds: {device_s}, jitter: {jitter}}}"
+    return f"faults=[{', '.join([SLOW] * slow + [device] * (device_s > 0))}]"
 
 
 def metric(client: MlflowClient, run_id: str, key: str) -> dict[int, float]:
@@ -130,8 +143,18 @@ def timer_cost(passes: int = 300) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100, help="steps of the uneven and slow runs")
-    parser.add_argument("--healthy-steps", type=int, default=500)
+    parser.add_argument("--steps", type=int, default=100, help="steps of the slow and exclude runs")
+    parser.add_argument("--healthy-steps", type=int, default=500, help="steps of the healthy and uneven runs")
+    parser.add_argument(
+        "--device-seconds",
+        type=float,
+        default=0.0,
+        help="a simulated accelerator: every rank waits this long per sequence, holding no CPU (0: real compute only)",
+    )
+    parser.add_argument(
+        "--jitter", type=float, default=0.0, help="the device wait's random spread per step (0.2: +-20%%)"
+    )
+    parser.add_argument("--runs", default="healthy,uneven,warn,rebalance,exclude", help="which runs (comma list)")
     parser.add_argument("--world-size", type=int, default=3, help="ranks (W); each takes a core: W <= the cores")
     parser.add_argument("--global-batch-size", type=int, default=12, help="G, a multiple of W")
     parser.add_argument("--out", default=default_out("stragglers"))
@@ -143,20 +166,33 @@ def main() -> None:
         settings = PrepareSettings(seq_len=SEQ_LEN, vocab_size=512, rows_per_row_group=2, validation_fraction=0.0)
         prepare(os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py"), data, settings)
     w, plan = args.world_size, runs_of(args.world_size, args.global_batch_size)
+    simulated = faults(False, args.device_seconds, args.jitter), faults(True, args.device_seconds, args.jitter)
     runs = {
-        name: measure(root, data, name, args.healthy_steps if name == "healthy" else args.steps, g, world, *overrides)
-        for name, (g, world, _, overrides) in plan.items()
+        name: measure(
+            root,
+            data,
+            name,
+            args.healthy_steps if name in ("healthy", "uneven") else args.steps,
+            g,
+            world,
+            simulated[slow],
+            *overrides,
+        )
+        for name, (g, world, slow, overrides) in plan.items()
+        if name in args.runs.split(",")
     }
     healthy_ratios = [x for name in ("healthy", "uneven") for row in runs[name]["ratios"] for x in row]
     shares = BatchPlan(plan["uneven"][0], plan["uneven"][0], w).shares
     small = shares.index(min(shares))  # the rank with the smallest share of the uneven split
     uneven_small = [row[small] for row in runs["uneven"]["ratios"]]
-    slow_ratio = [row[1] for s, row in enumerate(runs["warn"]["ratios"], 1) if s >= SLOW_FROM + 1]
     healthy_sps = runs["healthy"]["steps_per_s"]
+    false_flags = len(runs["healthy"]["flags"]) + len(runs["uneven"]["flags"])
     result: dict = {
         "world_size": w,
         "global_batch_size": args.global_batch_size,
         "uneven_shares": list(shares),
+        "device_seconds_per_sequence": args.device_seconds,  # 0: real compute only
+        "device_jitter": args.jitter,
         "factor": F,
         "steps": args.steps,
         "healthy_steps": args.healthy_steps,
@@ -166,17 +202,22 @@ def main() -> None:
         "healthy_ratio_p99": percentile(healthy_ratios, 99),
         "healthy_ratio_max": max(healthy_ratios),
         "uneven_small_share_ratio_p50": percentile(uneven_small, 50),
-        "slow_rank_ratio_p50": percentile(slow_ratio, 50),
         "false_flags_healthy": len(runs["healthy"]["flags"]),
         "false_flags_uneven": len(runs["uneven"]["flags"]),
+        # judged rank-steps of the two healthy runs (every rank is judged at every step)
+        "false_flags_per_rank_step": false_flags / (2 * args.healthy_steps * w),
         "steps_per_s_healthy": healthy_sps,
         "bound_unmitigated": 1 / F,
         "bound_rebalanced": (w - 1 + 1 / F) / w,
         "bound_excluded": (w - 1) / w,
         "timer_cost": timer_cost(),
     }
-    for name, (_, _, slow, _) in plan.items():
-        if slow:
+    if "warn" in runs:
+        result["slow_rank_ratio_p50"] = percentile(
+            [row[1] for s, row in enumerate(runs["warn"]["ratios"], 1) if s >= SLOW_FROM + 1], 50
+        )
+    for name in ("warn", "rebalance"):
+        if name in runs:
             flags = runs[name]["flags"]
             result[name] = {
                 "flags": flags,
@@ -186,12 +227,13 @@ def main() -> None:
                 "vs_healthy": runs[name]["steps_per_s"] / healthy_sps,
                 "vs_rebalance_bound": runs[name]["steps_per_s"] / healthy_sps / result["bound_rebalanced"],
             }
-    result["exclude"] = {
-        "steps_per_s": runs["exclude"]["steps_per_s"],
-        "vs_healthy": runs["exclude"]["steps_per_s"] / healthy_sps,
-        "vs_exclude_bound": runs["exclude"]["steps_per_s"] / healthy_sps / result["bound_excluded"],
-        "false_flags": len(runs["exclude"]["flags"]),
-    }
+    if "exclude" in runs:
+        result["exclude"] = {
+            "steps_per_s": runs["exclude"]["steps_per_s"],
+            "vs_healthy": runs["exclude"]["steps_per_s"] / healthy_sps,
+            "vs_exclude_bound": runs["exclude"]["steps_per_s"] / healthy_sps / result["bound_excluded"],
+            "false_flags": len(runs["exclude"]["flags"]),
+        }
     report(result, args.out)
 
 

@@ -15,29 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import yaml
-from omegaconf import MISSING, OmegaConf
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from raytrain_ft.errors import ConfigError
+from raytrain_ft.fault_spec import FaultSpec, validate_faults
 
-FAULT_KINDS = (
-    "raise",
-    "kill",
-    "nan",
-    "spike",
-    "bitflip",
-    "hang",
-    "slow",
-    "slow_save",
-    "slow_restore",
-    "hold_reduce",
-    "kill_in_setup",
-    "kill_at_launch",
-    "kill_at_first_step",
-    "freeze",
-)
-FREEZE_MOMENTS = ("start", "reduce", "save")  # raytrain_ft.resilience.faults: where a `freeze` fault stops its rank
-FAILURE_MOMENTS = ("save",)  # where a `raise` / `kill` fault fires instead of before the step
 ALERT_POLICIES = ("warn", "restart")
 INTERVAL_MODES = ("fixed", "auto")
 STRATEGIES = ("auto", "ddp", "fsdp", "hsdp")
@@ -49,7 +32,6 @@ STRAGGLER_ACTIONS = (
     "rebalance",
     "exclude",
 )  # raytrain_ft.resilience.straggler, raytrain_ft.resilience.rebalance (docs/stragglers.md)
-MAX_SLOW_FACTOR = 100.0  # a `slow` fault slower than this is a hang: use kind hang
 
 
 @dataclass
@@ -231,21 +213,6 @@ class StragglerSection:
 
 
 @dataclass
-class FaultSpec:
-    kind: str = MISSING  # one of FAULT_KINDS (raise, kill, nan, ..., kill_in_setup, ...), see faults.py
-    step: int = MISSING  # the (first) step at which the fault fires; kill_in_setup/...: the start resuming from >= step
-    rank: int = 0  # the rank that fails; -1 = every rank
-    steps: int = 1  # spike / nan / slow / slow_save / slow_restore: for this many consecutive steps
-    factor: float = 1000.0  # spike: the rank's loss (and gradients) x this; slow without seconds: its compute x this
-    seconds: float = (
-        0.0  # hang, hold_reduce: sleep once; slow: every step; slow_save / slow_restore: the writer / reader sleeps
-    )
-    at: str = (
-        ""  # freeze: start, reduce (default) or save; raise / kill: save (default: before the step); see faults.py
-    )
-
-
-@dataclass
 class Config:
     run: RunSection = field(default_factory=RunSection)
     data: DataSection = field(default_factory=DataSection)
@@ -342,18 +309,7 @@ def _validate(cfg: Config) -> None:
     elastic_ok = isinstance(n, list) and len(n) == 2 and all(isinstance(x, int) for x in n) and 1 <= n[0] <= n[1]
     if not (isinstance(n, int) and n >= 1) and not elastic_ok:
         raise ConfigError(f"config key 'scaling.num_workers' must be a positive int or [min, max], got {n!r}")
-    for i, f in enumerate(cfg.faults):
-        if f.kind not in FAULT_KINDS:
-            raise ConfigError(f"config key 'faults[{i}].kind' is {f.kind!r}; valid kinds: {', '.join(FAULT_KINDS)}")
-        moments = {"freeze": FREEZE_MOMENTS, "raise": FAILURE_MOMENTS, "kill": FAILURE_MOMENTS}.get(f.kind, ())
-        if f.at and f.at not in moments:
-            valid = f"valid for {f.kind}: {', '.join(moments)}" if moments else f"{f.kind} takes no 'at'"
-            raise ConfigError(f"config key 'faults[{i}].at' is {f.at!r}; {valid}")
-        if f.kind == "slow" and not f.seconds > 0 and not 1 < f.factor <= MAX_SLOW_FACTOR:
-            raise ConfigError(
-                f"config key 'faults[{i}].factor' is {f.factor:g} for a slow fault; give 1 < factor <= "
-                f"{MAX_SLOW_FACTOR:g} (the rank's compute takes factor times as long, e.g. factor: 2.0) or seconds"
-            )
+    validate_faults(cfg.faults)
     spike = cfg.guards.spike
     if not 1 <= spike.warmup <= spike.window:
         raise ConfigError(

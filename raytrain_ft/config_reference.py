@@ -10,7 +10,8 @@ import inspect
 import io
 import tokenize
 
-from raytrain_ft.config import Config, FaultSpec
+from raytrain_ft.config import Config
+from raytrain_ft.fault_spec import FaultSpec
 
 
 def reference_rows(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str, str]]:
@@ -41,11 +42,11 @@ def _field_comments(cls: type) -> dict[str, str]:
 
 
 def reference_markdown() -> str:
-    """The configuration reference as a markdown table (`python -m raytrain_ft.config`)."""
+    """The configuration reference as a markdown table (`python -m raytrain_ft.config_reference`)."""
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
     lines += [f"| `{k}` | {t} | `{d}` | {m.replace('|', '/')} |" for k, t, d, m in reference_rows()]
     lines.append(
-        "| `faults[].kind`, `.step`, `.rank`, `.steps`, `.factor`, `.seconds`, `.at` | see `faults` | | "
+        "| `faults[].kind`, `.step`, `.rank`, `.steps`, `.factor`, `.seconds`, `.at`, `.jitter` | see `faults` | | "
         + "; ".join(f"`{k}`: {m}" for k, _, _, m in reference_rows(FaultSpec)).replace("|", "/")
         + " |"
     )

@@ -209,7 +209,7 @@ class Trainer(RunComponents):
         passes = self.batches.take(self.position, share)
         self.hooks.after_batch(step, passes)
         with self.compute:  # this rank's compute seconds, its waits in collectives excluded
-            self.faults.slow_down(step, self.compute.seconds)
+            self.faults.slow_down(step, self.compute.seconds, share.plan.shares[share.rank])
             weighted = forward_backward(self.par, share.plan, passes, self.faults.loss_factor(step), self.device)
         local_loss = rank_mean_loss(share.plan, share.rank, weighted)  # what the rank check compares
         self.faults.before_reduce(step)
@@ -238,8 +238,9 @@ class Trainer(RunComponents):
         loss, stall_s = loss_sum / share.plan.world_size, self.checkpointer.take_stall_s() + self.memory.take_stall_s()
         members_figures = (self.members.recovering_s, share.plan.world_size, figures, share.plan.shares)
         result = StepResult(step, loss, grad_norm, skip, median, stall_s, val.metrics, val.seconds, *members_figures)
-        self.hooks.after_optimizer_step(result)
-        self.checks.monitor(step, local_loss, grad_norm, before_save)
+        self.hooks.after_optimizer_step(result)  # the straggler monitor's exclusions are decided here
+        # the fingerprint before a save: a periodic or final one (`before_save`), or the one before leaving
+        self.checks.monitor(step, local_loss, grad_norm, before_save or leaving > 0 or bool(self.stragglers.excluded()))
         if self.guard.consecutive >= self.cfg.guards.spike.max_consecutive_skips:
             self.after_commit(self.checkpointer.wait())  # a rollback reloads with no save in flight
             self.roll_back(step, self.guard.consecutive)
@@ -269,12 +270,15 @@ class Trainer(RunComponents):
                 self.memory.save(step, self.state)
             self.memory_schedule.saved(step)
         excluded = self.stragglers.excluded()
-        if leaving or excluded:
+        if leaving or excluded:  # never a diverged save before leaving either: withheld, as any other
             saves = self.members.saves_before_leaving(leaving + len(excluded))
-            if saves and (self.checkpointer.pending is None or self.checkpointer.pending[0] != step):
+            saved = saves and self.checks.fit_to_save(step)
+            if saved and (self.checkpointer.pending is None or self.checkpointer.pending[0] != step):
                 self.save(step)
                 self.schedule.saved(step)
-            self.ended |= leave(step, excluded, saves, self.members, self.preemption, self.stragglers, self.settle)
+            self.ended |= leave(
+                step, excluded, saves, saved, self.members, self.preemption, self.stragglers, self.settle
+            )
 
     def settle(self) -> None:
         """Finish and commit the in-flight saves (both tiers) and wait until the runtime registered every commit."""

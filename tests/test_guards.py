@@ -131,6 +131,29 @@ def test_under_warn_a_diverged_fingerprint_withholds_every_later_save_the_final_
     assert_resumed(cfg.tracking.uri, run_id, [0])  # warn: no restart
 
 
+def test_the_save_before_an_excluded_rank_leaves_is_fingerprinted_and_withheld_when_diverged(tmp_path, dataset):
+    """The save of the step after which a straggler leaves (restart recovery: the attempt ends at that
+    step) checks the fingerprint like every other save: rank 0's weights flipped at step 2, under
+    `warn`, the step is never written; the fingerprint ran there and nowhere else (interval 100)."""
+    cfg = make_config(
+        tmp_path,
+        dataset,
+        "scaling.num_workers=[1, 2]",  # one member may leave
+        "train.max_steps=40",
+        "checkpoint.interval_steps=100",
+        "guards.fingerprint.interval_steps=100",
+        "guards.on_alert=warn",
+        "straggler.action=exclude",
+        "straggler.exclude_after_steps=2",
+        "faults=[{kind: bitflip, step: 2, rank: 0}, {kind: slow, rank: 1, factor: 3.0, step: 1, steps: 100}]",
+    )
+    run_id = local_run(cfg)
+    [excluded] = [e for e in events(cfg.tracking.uri, run_id, "straggler") if e["action"] == "exclude"]
+    assert excluded["rank"] == 1
+    assert [e["step"] for e in events(cfg.tracking.uri, run_id, "replica_mismatch")] == [excluded["step"]]
+    assert complete_steps(root(cfg)) == []  # the diverged step was not saved
+
+
 def test_persistent_spikes_roll_back_and_skip_the_data_window(tmp_path, dataset):
     faults = "faults=[{kind: spike, step: 120, rank: -1, steps: 5}]"
     cfg = make_config(tmp_path, dataset, "train.max_steps=130", "data.audit=true", faults)

@@ -28,7 +28,6 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from conftest import REPO, events, free_port, make_config, sqlite_store
 from raytrain_ft.errors import ConfigError
 from raytrain_ft.launch.driver import preflight
-from raytrain_ft.launch.ray_start import LOOPBACK_ENV
 
 PRETRAIN = os.path.join(REPO, "jobs", "pretrain.py")
 TINY = os.path.join(REPO, "configs", "tiny.yaml")
@@ -123,7 +122,7 @@ def ray_head() -> Iterator[Head]:
         ],
         # what the script sets, it sets itself (not from the session's environment); the job drivers
         # inherit the rest (PYTHONPATH and the session's Ray token included)
-        env={k: v for k, v in ENV.items() if k not in ("RAY_AUTH_MODE", *LOOPBACK_ENV)},
+        env={k: v for k, v in ENV.items() if k != "RAY_AUTH_MODE"},
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

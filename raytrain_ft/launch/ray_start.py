@@ -3,7 +3,10 @@
 Secure by default (docs/cluster.md#security): every Ray instance runs with token authentication
 (Ray's default for a local `ray.init` since 2.59, with the token at `~/.ray/auth_token`, made if
 missing; `scripts/start_head.sh`, the cluster files and the tests set `RAY_AUTH_MODE=token`
-explicitly), and a Ray of one machine listens on 127.0.0.1 only (`LOOPBACK_ENV`).
+explicitly). The demo's head also listens on 127.0.0.1 only (`scripts/start_head.sh`: Ray's
+single-machine mode, `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`, which Ray reads when it is imported,
+so a process that has imported Ray cannot switch it on for the instance it starts: `start` below
+keeps Ray's default addresses, token-authenticated).
 """
 
 from __future__ import annotations
@@ -22,20 +25,13 @@ import ray
 # `start` below, and the tests, before a local `ray.init`).
 RAY_NODE_ENV = {"RAY_num_workers_soft_limit": "16"}
 
-# Ray's single-machine mode (its default on macOS and Windows, ray-project/ray#18730): the node's
-# address is 127.0.0.1 and every process of the instance listens there, none on the network. A
-# `--node-ip-address=127.0.0.1` alone does not do it: Ray replaces a loopback node address with the
-# machine's network address. Read by `ray start`, `ray.init` and every process they start; a driver
-# joining such an instance needs it too (the address it registers must match the node's).
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-
 
 def start(num_cpus: int | None = None, include_dashboard: bool = False, **init: Any) -> None:
     """`ray.init` for a job: join the cluster `RAY_ADDRESS` names (`ray job submit` sets it), else start
-    a Ray of this machine alone (`num_cpus` logical CPUs, Ray's count if None) listening on loopback
-    with `RAY_NODE_ENV`. `init`: further `ray.init` arguments (`runtime_env`, ...)."""
+    a Ray of this machine alone (`num_cpus` logical CPUs, Ray's count if None) with `RAY_NODE_ENV` and
+    token authentication. `init`: further `ray.init` arguments (`runtime_env`, ...)."""
     if os.environ.get("RAY_ADDRESS"):
         ray.init(**init)
         return
-    os.environ.update({**RAY_NODE_ENV, **LOOPBACK_ENV})
+    os.environ.update(RAY_NODE_ENV)  # token authentication: Ray's default for a new local instance
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=include_dashboard, **init)

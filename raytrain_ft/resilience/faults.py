@@ -11,7 +11,11 @@ the step), `slow` (a straggler: from `step` on, for `steps` steps, the rank's ow
 (`straggler.ComputeTimer`, the sleep itself not counted) inside its forward/backward, before its
 gradients are ready, so the other ranks wait for it in the gradient all-reduce as they would for a
 slow GPU; with `seconds` instead it sleeps that long there every step; the issue's `from_step` /
-`until_step` are `step` / `step + steps`), `slow_save` (slow storage: the rank's
+`until_step` are `step` / `step + steps`), `device` (a simulated accelerator, for benchmarks that
+must not depend on the host's cores: from `step` on, for `steps` steps, the rank waits `seconds` per
+sequence of its share of the step, times `1 + u` with u uniform in [-`jitter`, `jitter`] drawn from
+(step, rank), inside its forward/backward and holding no CPU, as a host waits for its GPU; a `slow`
+fault on the same rank scales that wait with its own compute), `slow_save` (slow storage: the rank's
 checkpoint writer sleeps `seconds` before writing each save, after creating the step folder),
 `slow_restore` (slow storage on read: the rank's checkpoint reader sleeps `seconds` on the first
 item of each restore, with the checkpoint file open: what `lsof` or `/proc/<pid>/fd` shows while a
@@ -56,6 +60,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import signal
 import threading
 import time
@@ -65,7 +70,7 @@ from collections.abc import Callable
 import fsspec
 import torch
 
-from raytrain_ft.config import FaultSpec
+from raytrain_ft.fault_spec import FaultSpec
 from raytrain_ft.hooks import StepHook, StepResult
 from raytrain_ft.run_folder import fault_marker
 
@@ -210,16 +215,26 @@ class FaultInjector(StepHook):
             if self._mine(f):
                 self._freeze(i, step)
 
-    def slow_down(self, step: int, compute_s: float) -> None:
-        """`slow`: sleep inside this rank's compute of `step` (`compute_s`: the previous step's
-        measured compute seconds, the previous sleep included): `(factor - 1) x` its own compute, or
-        `seconds`."""
-        own_s, sleep_s = compute_s - self.slept_s, 0.0
-        for f in (f for _, f in self.faults if f.kind == "slow" and self._mine(f)):
-            if f.step <= step < f.step + f.steps:
-                sleep_s += f.seconds or (f.factor - 1) * own_s
-        self.slept_s = sleep_s
-        time.sleep(sleep_s)
+    def slow_down(self, step: int, compute_s: float, sequences: int) -> None:
+        """`slow` and `device`: sleep `wait_s(...)` inside this rank's compute of `step`."""
+        time.sleep(self.wait_s(step, compute_s, sequences))
+
+    def wait_s(self, step: int, compute_s: float, sequences: int) -> float:
+        """Seconds of the `slow` and `device` waits of `step` on this rank. `slow`: `(factor - 1) x`
+        its own compute (`compute_s`: the previous step's measured compute seconds, less the previous
+        `slow` wait: a `device` wait counts as the rank's own compute), or `seconds`; `device`:
+        `seconds x sequences` (this rank's share of the step) `x (1 + u)` (module doc)."""
+        own_s, slow_s, device_s = compute_s - self.slept_s, 0.0, 0.0
+        for f in (f for _, f in self.faults if f.kind in ("slow", "device") and self._mine(f)):
+            if not f.step <= step < f.step + f.steps:
+                continue
+            if f.kind == "device":
+                u = random.Random(step * 1_000_003 + self.rank).uniform(-f.jitter, f.jitter)
+                device_s += f.seconds * sequences * (1 + u)
+            else:
+                slow_s += f.seconds or (f.factor - 1) * own_s
+        self.slept_s = slow_s
+        return slow_s + device_s
 
     def after_save_started(self, step: int) -> None:
         """Raise, SIGKILL or SIGSTOP this rank (`raise`, `kill`, `freeze` at `save`) while its (slowed)

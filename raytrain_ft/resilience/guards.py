@@ -226,12 +226,13 @@ class RankChecks:
             self.check_replicas(step)
 
     def fit_to_save(self, step: int) -> bool:
-        """Before a save, on the members that save: the fingerprint, when every member reaches the
-        save (a collective); else (one replica saves alone, `saves_together` False) the verdict of
-        the fingerprint the members ran at this step (`monitor(before_save=True)`): False when none ran."""
-        if self.members().saves_together:
-            return self.check_replicas(step)
-        return self.checked_step == step and not self.diverged
+        """Before a save, on the members that save: the verdict of the fingerprint the members ran at
+        this step (`monitor`: at its interval or `before_save`; every member ran it, so every saving
+        member gets the same verdict); else, when every member reaches the save (`saves_together`),
+        the fingerprint now (a collective); else (one replica saves alone) False."""
+        if self.checked_step == step:
+            return not self.diverged
+        return self.members().saves_together and self.check_replicas(step)
 
     def check_replicas(self, step: int) -> bool:
         """Compare the checksums of the same shard across the members holding copies of it; alert

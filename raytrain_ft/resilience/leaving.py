@@ -21,13 +21,15 @@ def leave(
     step: int,
     excluded: list[int],
     saves: bool,
+    saved: bool,
     members: StepMembers,
     preemption: Preemption,
     stragglers: StragglerMonitor,
     settle: Callable[[], object],
 ) -> bool:
     """After `step` (`excluded`: the split ranks of the members excluded as stragglers; `saves`:
-    this member keeps the step durable with a checkpoint): a member that saves it, holds a drain
+    this member keeps the step durable with a checkpoint; `saved`: it did, the fingerprint before
+    that save having passed, `guards.RankChecks.fit_to_save`): a member that saves it, holds a drain
     notice or is excluded waits until the step is registered (`settle`); an excluded one records
     its exclusion, a doomed one the notice (`Preemption.answer`); then the members end as
     `StepMembers.exclude` says (True: this rank ends the attempt, restart recovery's whole group),
@@ -42,7 +44,7 @@ def leave(
         settle()
     if mine:
         stragglers.record_exclusion(step)
-    notice = preemption.answer(step, saved=saves)
+    notice = preemption.answer(step, saved=saved)
     if excluded and members.exclude(excluded):
         return True
     if notice and members.leave():
