@@ -30,7 +30,8 @@ FAULT_KINDS = (
     "device",
 )
 FREEZE_MOMENTS = ("start", "reduce", "save")  # raytrain_ft.resilience.faults: where a `freeze` fault stops its rank
-FAILURE_MOMENTS = ("save",)  # where a `raise` / `kill` fault fires instead of before the step
+# where a `raise` / `kill` fault fires instead of before the step (raytrain_ft.resilience.faults)
+FAILURE_MOMENTS = {"raise": ("save",), "kill": ("save", "write", "metadata")}
 MAX_SLOW_FACTOR = 100.0  # a `slow` fault slower than this is a hang: use kind hang
 
 
@@ -43,7 +44,7 @@ class FaultSpec:
     factor: float = 1000.0  # spike: the rank's loss (and gradients) x this; slow without seconds: its compute x this
     seconds: float = 0.0  # hang, hold_reduce: once; slow: each step; device: per sequence; slow_save/_restore: each
     at: str = (
-        ""  # freeze: start, reduce (default) or save; raise / kill: save (default: before the step); see faults.py
+        ""  # freeze: start, reduce (default), save; raise: save; kill: save, write, metadata (default: before the step)
     )
     jitter: float = 0.0  # device: each step's wait x (1 + u), u uniform in [-jitter, jitter], seeded by step and rank
 
@@ -54,10 +55,15 @@ def validate_faults(faults: list[FaultSpec]) -> None:
     for i, f in enumerate(faults):
         if f.kind not in FAULT_KINDS:
             raise ConfigError(f"config key 'faults[{i}].kind' is {f.kind!r}; valid kinds: {', '.join(FAULT_KINDS)}")
-        moments = {"freeze": FREEZE_MOMENTS, "raise": FAILURE_MOMENTS, "kill": FAILURE_MOMENTS}.get(f.kind, ())
+        moments = {"freeze": FREEZE_MOMENTS, **FAILURE_MOMENTS}.get(f.kind, ())
         if f.at and f.at not in moments:
             valid = f"valid for {f.kind}: {', '.join(moments)}" if moments else f"{f.kind} takes no 'at'"
             raise ConfigError(f"config key 'faults[{i}].at' is {f.at!r}; {valid}")
+        if f.at == "metadata" and f.rank not in (0, -1):
+            raise ConfigError(
+                f"config key 'faults[{i}].rank' is {f.rank} for a kill at metadata; only rank 0 (the save's "
+                "coordinator) writes .metadata: give rank: 0"
+            )
         if f.kind == "slow" and not f.seconds > 0 and not 1 < f.factor <= MAX_SLOW_FACTOR:
             raise ConfigError(
                 f"config key 'faults[{i}].factor' is {f.factor:g} for a slow fault; give 1 < factor <= "

@@ -16,7 +16,7 @@ A hook lives with its concept (`faults.FaultInjector`, `data.audit.DataAudit`,
 `goodput.StepAccount`, `step_metrics.StepMetrics`, `watchdog.StepBeat`), never in the loop.
 Hooks observe; they do not change what the step computes. The exception is fault injection that
 must alter the algorithm's own values: the loss multiplier of `nan`/`spike` faults
-(`FaultInjector.loss_factor`) and the slowed and killed checkpoint writes (`save_delay_s`,
+(`FaultInjector.loss_factor`) and the slowed and killed checkpoint writes (`writer_for`,
 `after_save_started`) stay explicit calls in the loop, where a reader sees what they change; the
 `bitflip` fault corrupts a parameter in `after_optimizer_step`, as a hardware fault would, behind
 the loop's back. Hooks that call collectives run on every rank in the same order.

@@ -125,7 +125,7 @@ class Trainer(RunComponents):
             self.state,
             session,
             self.recorder,
-            self.faults.restore_delay_s,
+            self.faults.reader_for,
             self.role.cleans,
             self.restore_memory,
         )
@@ -169,11 +169,11 @@ class Trainer(RunComponents):
             self.recorder.metrics(step, planned)
         self.recorder.goodput(step, self.ledger.summary(time.time()))
 
-    def save(self, step: int, write_delay_s: float = 0.0) -> None:
+    def save(self, step: int) -> None:
         """Start the save of `step` (every rank); at most one is in flight: the previous one
         completes and is committed first (waiting for its write is a stall: slow storage shows here)."""
         self.after_commit(self.checkpointer.wait())
-        self.checkpointer.save(step, self.state, write_delay_s=write_delay_s)
+        self.checkpointer.save(step, self.state, self.faults.writer_for(step))
 
     def after_commit(self, step: int | None) -> None:
         """The checkpoint of `step` is complete on every rank (`Checkpointer.poll`/`wait`; None: none
@@ -261,7 +261,7 @@ class Trainer(RunComponents):
         final = step == self.cfg.train.max_steps
         if (self.save_due and self.guard.consecutive == 0) or final:
             if self.members.saves and self.checks.fit_to_save(step):  # the final save too: never a diverged one
-                self.save(step, write_delay_s=self.faults.save_delay_s(step))
+                self.save(step)
                 self.faults.after_save_started(step)
             self.schedule.saved(step)  # after a failed replica check too: the next try is an interval later
             self.save_due = False

@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import tempfile
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,9 @@ class LocalRunFailed(RuntimeError):
 def _rank(rank: int, config: dict, run_id: str, world_size: int, store: str) -> None:
     torch.set_num_threads(1)  # as in a Ray Train worker of a fractional CPU (OMP_NUM_THREADS=1)
     cfg = from_dict(config)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    # the bound Ray Train gives the group (`TorchConfig(timeout_s=...)`, raytrain_ft.launch.driver)
+    timeout = timedelta(seconds=cfg.failure.collective_timeout_s)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timeout)
     root = run_root(cfg.run.storage_path, cfg.run.name)
     session = LocalSession(root, cfg.data.path, cfg.train.seed, cfg.tracking.uri, run_id, cfg.waits.tracking_timeout_s)
     try:

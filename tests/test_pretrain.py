@@ -64,13 +64,16 @@ def test_a_flipped_bit_in_the_committed_checkpoint_falls_back_to_the_previous_on
     assert_kept_timeline(cfg, run_id, reference[0], reference[1], discarded=[21, 22], rerun_kept=(16, 17, 18, 19, 20))
 
 
+@pytest.mark.parametrize("fault", ["raise, at: save", "kill, at: write", "kill, at: metadata"])
 def test_a_failure_while_a_save_is_written_resumes_from_the_previous_commit_and_deletes_the_cut_save(
-    tmp_path, dataset, reference
+    tmp_path, dataset, reference, fault
 ):
-    # rank 0 raises 0.5 s into its (slowed) write of step 20, the save neither finished nor committed
-    # (a `raise` fault at `save` does not settle first): 15, committed before 20's write started, is
-    # where the restart resumes; the cut save is deleted, never loaded (on the Ray-free session)
-    cfg = make_config(tmp_path, dataset, "train.max_steps=30", "faults=[{kind: raise, at: save, step: 20, rank: 0}]")
+    # rank 0 fails in its save of step 20, the save neither finished nor committed (a fault in a save
+    # does not settle first): raises 0.5 s into its (slowed) write, before its first byte (`save`);
+    # SIGKILLed with its file cut short (`write`), or once every shard is written, before `.metadata`
+    # (`metadata`; where each cut lands: tests/unit/test_cut_writes.py). 15, committed before 20's write
+    # started, is where the restart resumes; the cut save is deleted, never loaded (Ray-free session)
+    cfg = make_config(tmp_path, dataset, "train.max_steps=30", f"faults=[{{kind: {fault}, step: 20, rank: 0}}]")
     run_id = local_run(cfg)
     assert_resumed(cfg.tracking.uri, run_id, [0, 15])
     [deleted] = events(cfg.tracking.uri, run_id, "uncommitted_checkpoints_deleted")
@@ -79,6 +82,18 @@ def test_a_failure_while_a_save_is_written_resumes_from_the_previous_commit_and_
     assert_same_state(final_state(cfg, 20), final_state(reference[0], 20))
     assert_same_state(final_state(cfg, 30), reference[2])
     assert MlflowClient(cfg.tracking.uri).get_run(run_id).info.status == "FINISHED"
+
+
+def test_a_collective_stuck_past_its_bound_fails_the_attempt_and_the_restart_resumes(tmp_path, dataset, reference):
+    # rank 1 holds 15 s before its step-9 reduction; rank 0 waits in the step's next collective until
+    # failure.collective_timeout_s (5 s) ends it with an error: the attempt fails, the restart (one of
+    # failure.max_failures) resumes from 5, and the run ends on the reference's bits. Without the bound
+    # rank 0 would wait the hold out and the run would never restart.
+    hold = "faults=[{kind: hold_reduce, step: 9, rank: 1, seconds: 15}]"
+    cfg = make_config(tmp_path, dataset, "train.max_steps=30", "failure.collective_timeout_s=5", hold)
+    run_id = local_run(cfg)
+    assert_resumed(cfg.tracking.uri, run_id, [0, 5])
+    assert_same_state(final_state(cfg, 30), reference[2])
 
 
 @pytest.mark.usefixtures("ray_local")

@@ -169,6 +169,7 @@ def test_a_run_out_of_restarts_ends_with_one_line_naming_rank_step_and_cause(tmp
     events = MlflowRecorder(cfg.tracking.uri, run_id_of(cfg)).events()
     rows = recovery_rows(events)
     assert [(r["last_step"], r["resumed_from"]) for r in rows] == [(6, 5), (8, None)]
+    assert MlflowClient(cfg.tracking.uri).get_run(run_id_of(cfg)).info.status == "FAILED"
     assert [r["cause"].split("; ")[0] for r in rows] == ["rank 1: " + KILLED] * 2
     failure = next(ev for ev in events if ev["kind"] == "failure")
     assert "worker process has died" in failure["details"]["1"]

@@ -76,7 +76,7 @@ def test_a_worker_frozen_in_a_collective_at_a_start_and_in_a_save_is_stopped_and
     hangs = events(uri, run_id, "hang")
     assert [(h["ranks"], h["step"]) for h in hangs] == [([1], 7), ([0], None), ([1], 14)]
     client = MlflowClient(uri)
-    where = ["before_reduce", "restore_delay_s", "after_save_started"]
+    where = ["before_reduce", "reader_for", "after_save_started"]
     folder = os.path.join(run_root(cfg), "hangs")
     files = sorted(os.listdir(folder), key=lambda n: os.path.getmtime(os.path.join(folder, n)))
     assert [n.split("-")[0] for n in files] == ["step7", "start", "step14"]
@@ -90,7 +90,7 @@ def test_a_worker_frozen_in_a_collective_at_a_start_and_in_a_save_is_stopped_and
         section = dump.split(f"--- rank {frozen} ")[1].split("--- rank")[0]
         assert "state T" in section and "Thread" in section and frozen_in in section  # py-spy's dump
         assert "--- rank 0 " in dump and "--- rank 1 " in dump  # every worker's stacks
-        if frozen_in == "restore_delay_s":  # dead by liveness: the bound and a poll or two, far below 1200 s
+        if frozen_in == "reader_for":  # dead by liveness: the bound and a poll or two, far below 1200 s
             assert LIVENESS_S <= h["stalled_s"] < 60 and "failure.liveness_timeout_s" in dump.splitlines()[0]
         else:
             assert h["stalled_s"] >= STEP_BOUND_S

@@ -54,6 +54,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+WriterFactory = Callable[[str], ChecksummedWriter]  # the storage writer of a save, from its step folder's path
+ReaderFor = Callable[[int], Callable[[str], ChecksummedReader]]  # a checkpoint's step -> its reader, from its path
+
 
 def space_message(root: str, step: int, needed: int, free: int) -> str:
     return (
@@ -116,33 +119,6 @@ def prune(root: str, committed_step: int, keep: int) -> list[int]:
     return removed
 
 
-class _SlowWriter(ChecksummedWriter):
-    """Writer that sleeps `delay_s` seconds before writing, after the folder exists (fault injection:
-    a fault at `save`, `slow_save`)."""
-
-    def __init__(self, path: str, delay_s: float):
-        super().__init__(path)
-        self.delay_s = delay_s
-
-    def write_data(self, plan, planner):
-        time.sleep(self.delay_s)
-        return super().write_data(plan, planner)
-
-
-class _SlowReader(ChecksummedReader):
-    """Reader that sleeps `delay_s` seconds once, before its first item, with that item's file open
-    (fault injection: `slow_restore`)."""
-
-    def __init__(self, path: str, delay_s: float):
-        super().__init__(path)
-        self.delay_s = delay_s
-
-    def _slice_file(self, file, sinfo):
-        time.sleep(self.delay_s)
-        self.delay_s = 0.0
-        return super()._slice_file(file, sinfo)
-
-
 class Checkpointer:
     """One rank's side of async save, collective commit and restore.
 
@@ -175,9 +151,9 @@ class Checkpointer:
         # Pinned host memory + non-blocking copies on GPU; on CPU a plain background copy.
         self.stager = DefaultStager(StagingOptions(cuda, False, True, cuda))
 
-    def save(self, step: int, state: TrainState, write_delay_s: float = 0.0) -> None:
-        """Start an async save of `state` as `step-<step>`; `write_delay_s` > 0 (fault injection)
-        holds the write back that many seconds.
+    def save(self, step: int, state: TrainState, writer: WriterFactory = ChecksummedWriter) -> None:
+        """Start an async save of `state` as `step-<step>`, written by `writer(path)` (a fault-injected
+        one: `raytrain_ft.resilience.storage_faults`).
 
         Raises:
             RuntimeError: a save is still in flight (at most one is: `wait()` for it first, and
@@ -188,9 +164,11 @@ class Checkpointer:
         t0 = time.perf_counter()
         self.check_space(step)
         path = step_path(self.root, step)
-        writer = self._writer(path, step, write_delay_s)
         response = dcp.async_save(
-            state.snapshot(), storage_writer=writer, process_group=self.save_group, async_stager=self.stager
+            state.snapshot(),
+            storage_writer=self._writer(path, step, writer),
+            process_group=self.save_group,
+            async_stager=self.stager,
         )
         if isinstance(response, AsyncSaveResponse):
             self.staging, upload = response.staging_completion, response.upload_completion
@@ -200,9 +178,9 @@ class Checkpointer:
         self._started, self._pending_stall = t0, 0.0
         self._stalled(t0)
 
-    def _writer(self, path: str, step: int, write_delay_s: float) -> ChecksummedWriter:
+    def _writer(self, path: str, step: int, writer: WriterFactory) -> ChecksummedWriter:
         """The storage writer of the save of `step` into `path`."""
-        return _SlowWriter(path, write_delay_s) if write_delay_s > 0 else ChecksummedWriter(path)
+        return writer(path)
 
     def check_space(self, step: int) -> None:
         """On local storage, before a save: raise on every rank (rank 0 measures, all agree) when the
@@ -315,10 +293,10 @@ class Checkpointer:
         state: TrainState,
         candidates: list[str],
         on_corrupt: Callable[[str, str], None],
-        read_delay_s: Callable[[int], float] = lambda step: 0.0,
+        reader_for: ReaderFor = lambda step: ChecksummedReader,
     ) -> tuple[str | None, set[str]]:
-        """Load the first usable checkpoint of `candidates` (newest first) into `state`;
-        `read_delay_s(step)` > 0 (fault injection) holds the read of that checkpoint that many seconds.
+        """Load the first usable checkpoint of `candidates` (newest first) into `state`, each read by
+        `reader_for(its step)(path)` (a fault-injected one: `raytrain_ft.resilience.storage_faults`).
 
         Every byte is verified before use (`raytrain_ft.checkpoint.integrity.ChecksummedReader`) and the
         checkpoint must hold every component of `state` and every entry of each
@@ -339,7 +317,7 @@ class Checkpointer:
         problems = []
         for path in candidates:
             try:
-                return path, self._load(path, state, read_delay_s(step_of(path)))
+                return path, self._load(path, state, reader_for(step_of(path))(path))
             except (CorruptCheckpointError, CheckpointException) as e:  # CheckpointException is a BaseException
                 corrupt = corruption_of(e)
                 if corrupt is None:
@@ -356,10 +334,9 @@ class Checkpointer:
             )
         return None, set()
 
-    def _load(self, path: str, state: TrainState, delay_s: float) -> set[str]:
-        """Load checkpoint `path` into `state`; return the component keys loaded."""
+    def _load(self, path: str, state: TrainState, reader: ChecksummedReader) -> set[str]:
+        """Load checkpoint `path` into `state` with `reader` (of `path`); return the component keys loaded."""
         # reads and checks .metadata once, here, for every load below
-        reader = _SlowReader(path, delay_s) if delay_s > 0 else ChecksummedReader(path)
         saved = reader.read_metadata().state_dict_metadata
         missing = missing_components(saved, state.components)
         if missing:
@@ -403,14 +380,14 @@ def restore_latest(
     state: TrainState,
     session: Session,
     recorder: Recorder,
-    read_delay_s: Callable[[int], float] = lambda step: 0.0,
+    reader_for: ReaderFor = lambda step: ChecksummedReader,
     clean: bool = True,
     from_memory: Callable[[int], tuple[int, set[str], str] | None] = lambda durable_step: None,
 ) -> tuple[int | None, set[str], str]:
     """Delete uncommitted saves (unless `clean` is False: a live peer may be writing one, under
     replica recovery), then load the newest checkpoint: the memory tier's when `from_memory(durable
     step)` loads one (`raytrain_ft.checkpoint.memory_tier.MemoryTier.restore`: never older than the
-    durable one), else the committed durable one (or an older one if corrupt); `read_delay_s`:
+    durable one), else the committed durable one (or an older one if corrupt); `reader_for`:
     `Checkpointer.restore`'s (fault injection).
 
     Returns the step loaded (None on a fresh start), the state keys the checkpoint held, and where it
@@ -431,7 +408,7 @@ def restore_latest(
         return None, set(), ""
     older = [s for s in reversed(complete_steps(session.run_root)) if s < committed]
     candidates = [latest] + [step_path(session.run_root, s) for s in older]
-    loaded, keys = checkpointer.restore(state, candidates, corrupt_recorder(recorder), read_delay_s)
+    loaded, keys = checkpointer.restore(state, candidates, corrupt_recorder(recorder), reader_for)
     return (step_of(loaded) if loaded else None), keys, "storage"
 
 

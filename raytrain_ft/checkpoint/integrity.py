@@ -32,15 +32,20 @@ from typing import Any
 
 import fsspec
 import xxhash
-from torch.distributed.checkpoint._extension import StreamTransformExtension
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageWriterTransforms
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from raytrain_ft.checkpoint.dcp_internals import (
+    FileSystem,
+    FsspecReader,
+    FsspecWriter,
+    StorageInfo,
+    StorageWriterTransforms,
+    StreamTransformExtension,
+)
 from raytrain_ft.checkpoint.train_state import missing_components
 from raytrain_ft.errors import CorruptCheckpointError
 from raytrain_ft.run_folder import CHECKSUM_FILE, METADATA_FILE
@@ -94,7 +99,7 @@ class _HashingStream(io.RawIOBase):
         super().close()
 
 
-class _HashingTransforms(_StorageWriterTransforms):
+class _HashingTransforms(StorageWriterTransforms):
     """DCP's per-item stream transform hook: wraps each item's output stream in a hasher, innermost,
     so the checksum covers the bytes as stored (after any compression extension)."""
 
@@ -108,9 +113,9 @@ class _HashingTransforms(_StorageWriterTransforms):
 
 
 @dataclasses.dataclass
-class _CheckedStorageInfo(_StorageInfo):
+class _CheckedStorageInfo(StorageInfo):
     """A `WriteResult`'s storage info plus its checksum, on its way to the coordinator; `finish` strips the
-    checksum so `.metadata` holds DCP's own `_StorageInfo` (readable without this module)."""
+    checksum so `.metadata` holds DCP's own `StorageInfo` (readable without this module)."""
 
     checksum: str = ""
 
@@ -167,7 +172,7 @@ class ChecksummedWriter(FsspecWriter):
             for r in rank_results:
                 s = r.storage_data
                 items.setdefault(s.relative_path, {})[str(s.offset)] = [s.length, s.checksum]
-                info = _StorageInfo(s.relative_path, s.offset, s.length, s.transform_descriptors)
+                info = StorageInfo(s.relative_path, s.offset, s.length, s.transform_descriptors)
                 plain[-1].append(WriteResult(r.index, r.size_in_bytes, info))
         super().finish(metadata, plain)
         record = {"algorithm": ALGORITHM, METADATA_FILE: self.fs.metadata_digest, "items": items}
@@ -235,7 +240,7 @@ class ChecksummedReader(FsspecReader):
 
     def read_data(self, plan, planner):
         # DCP reads file by file, each file's items in plan order: the hashing thread goes the same way
-        by_file: dict[str, list[_StorageInfo]] = {}
+        by_file: dict[str, list[StorageInfo]] = {}
         for item in plan.items:
             info = self.storage_data[item.storage_index]
             by_file.setdefault(info.relative_path, []).append(info)
@@ -251,7 +256,7 @@ class ChecksummedReader(FsspecReader):
             stop.set()
             hasher.join()
 
-    def _hash_ahead(self, by_file: dict[str, list[_StorageInfo]], stop: threading.Event) -> None:
+    def _hash_ahead(self, by_file: dict[str, list[StorageInfo]], stop: threading.Event) -> None:
         """Set each item's future to its range's hash (None: the file ends first), in DCP's read order;
         an error (a missing file) goes to every future still unset, so no `_slice_file` waits on it."""
         try:
@@ -266,7 +271,7 @@ class ChecksummedReader(FsspecReader):
                 if not future.done():
                     future.set_exception(e)
 
-    def _slice_file(self, file, sinfo: _StorageInfo):
+    def _slice_file(self, file, sinfo: StorageInfo):
         assert self._metadata is not None and self._record is not None  # read_metadata runs before any read
         expected = self._record["items"].get(sinfo.relative_path, {}).get(str(sinfo.offset))
         # the hashing thread read and hashed the range, one item ahead of here or more: DCP reads it again
@@ -313,7 +318,7 @@ def verify_checkpoint(path: str, components: bool = True) -> list[str]:
     except CorruptCheckpointError as e:
         return [str(e)]
     problems = []
-    by_file: dict[str, list[_StorageInfo]] = {}
+    by_file: dict[str, list[StorageInfo]] = {}
     for info in metadata.storage_data.values():
         by_file.setdefault(info.relative_path, []).append(info)
     for relative_path, infos in sorted(by_file.items()):

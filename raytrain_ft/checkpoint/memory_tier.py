@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
-from raytrain_ft.checkpoint.checkpointer import Checkpointer
+from raytrain_ft.checkpoint.checkpointer import Checkpointer, WriterFactory
 from raytrain_ft.checkpoint.integrity import ChecksummedWriter
 from raytrain_ft.checkpoint.memory_copies import Keepers, RestorePlan, copy_path, peers, plan_restore
 from raytrain_ft.checkpoint.train_state import TrainState
@@ -88,7 +88,7 @@ class _CopyWriter(Checkpointer):
         self.replicate = replicate
         self.copying: _ReplicatingWriter | None = None
 
-    def _writer(self, path: str, step: int, write_delay_s: float) -> ChecksummedWriter:
+    def _writer(self, path: str, step: int, writer: WriterFactory) -> ChecksummedWriter:
         self.copying = _ReplicatingWriter(path, lambda: self.replicate(step))
         return self.copying
 

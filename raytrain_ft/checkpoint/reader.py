@@ -22,12 +22,12 @@ from typing import cast
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from raytrain_ft.checkpoint.checkpointer import corruption_of
+from raytrain_ft.checkpoint.dcp_internals import FsspecReader
 from raytrain_ft.checkpoint.integrity import ChecksummedReader
 from raytrain_ft.checkpoint.train_state import KEY_META, KEY_MODEL, KEY_PROGRESS, Pickled, Progress, RunMeta
 from raytrain_ft.errors import CheckpointError, CorruptCheckpointError

@@ -1,9 +1,8 @@
 """Drain notices of this worker's node, read from Ray's GCS: the one place the run reads them.
 
-Ray 2.60 has no public API for a node's drain state. Ray Train's own `PreemptionWatcher` (which Ray
-Train registers for plain worker groups, not for torchft replica groups) reads the GCS accessor
-`ray._private.state.state.get_draining_nodes()`, `{node id hex: deadline in unix ms, 0 for none}`,
-the state `ray drain-node` sets; `draining_nodes` is that call, here only. A drain of a node that
+Ray 2.60 has no public API for a node's drain state: `ray_internals.draining_nodes` reads it, as Ray
+Train's own `PreemptionWatcher` does (which Ray Train registers for plain worker groups, not for
+torchft replica groups), and this module is its one caller. A drain of a node that
 runs workers is a preemption: Ray's raylet refuses an idle-termination drain of a busy node.
 
 `DrainWatcher` polls it in a daemon thread of every worker, every `POLL_INTERVAL_S`, for the
@@ -18,18 +17,12 @@ import threading
 import time
 from collections.abc import Callable
 
-import ray
-
+from raytrain_ft.launch.ray_internals import draining_nodes
 from raytrain_ft.resilience.preemption import Notice
 
 log = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 1.0  # a notice is seen at most this long after the drain (GKE gives 30 s, AWS 120 s)
-
-
-def draining_nodes() -> dict[str, int]:
-    """{node id hex: drain deadline in unix milliseconds (0: none)} of every node being drained."""
-    return ray._private.state.state.get_draining_nodes()
 
 
 class DrainWatcher:

@@ -18,8 +18,12 @@ other module off `ray.*._internal` and the underscored names):
   to fail a worker inside it (the `kill_in_setup` fault).
 - `ReplicaGroup` and `_TorchftBackend`: the backend of the public `TorchftConfig`, extended to tell
   a replacement replica from a whole-group start (`launch.replica_backend`).
+- `draining_nodes`: the GCS accessor `ray._private.state.state.get_draining_nodes()` that Ray
+  Train's own `PreemptionWatcher` reads, `{node id hex: drain deadline in unix ms, 0 for none}`,
+  the state `ray drain-node` sets (`launch.preemption`).
 """
 
+import ray
 from ray.train.torch.config import _TorchBackend as TorchBackend
 from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError, WorkerGroupStartupTimeoutError
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
@@ -32,7 +36,14 @@ from ray.train.v2._internal.execution.controller.state import (
 from ray.train.v2._internal.execution.worker_group import ReplicaGroup
 from ray.train.v2.torch.torchft_config import _TorchftBackend as TorchftBackend
 
+
+def draining_nodes() -> dict[str, int]:
+    """{node id hex: drain deadline in unix milliseconds (0: none)} of every node being drained."""
+    return ray._private.state.state.get_draining_nodes()
+
+
 __all__ = [
+    "draining_nodes",
     "ControllerCallback",
     "ErroredState",
     "ReplicaGroup",

@@ -3,7 +3,11 @@
 Kinds: `raise` (an exception in the training loop), `kill` (SIGKILL of the worker process); both
 fire before the step by default, or with `at: save` while the rank's async write of the checkpoint
 of `step` is in flight (`step` must be a checkpoint step; the rank's writer is slowed, and the
-fault fires 0.5 s into its write, the save neither finished nor committed), `nan` (the rank's loss becomes NaN),
+fault fires 0.5 s into its write, before its first byte, the save neither finished nor committed);
+a `kill` also `at: write` (the rank's write thread SIGKILLs the process once the first item of its
+file is on storage: a file cut short) or `at: metadata` (rank 0, the save's coordinator, once
+every rank's files are written, before `.metadata`): `raytrain_ft.resilience.storage_faults.CutWriter`;
+`nan` (the rank's loss becomes NaN),
 `spike` (the rank's loss, and so its gradients, is multiplied by `factor`), `bitflip` (one bit of
 one parameter flips on the rank after the optimizer step), `hang` (the rank sleeps `seconds` inside
 the step), `slow` (a straggler: from `step` on, for `steps` steps, the rank's own compute takes
@@ -43,10 +47,12 @@ rollback) passes it; `slow`, `slow_save` and `slow_restore` are properties of th
 every pass.
 
 The injector is a step hook (`raytrain_ft.hooks`): `raise`/`kill` fire in `before_step` (at `save`:
-in `after_save_started`), `bitflip` and `hang` in `after_optimizer_step`; `freeze` in `restore_delay_s`,
-`before_reduce` or `after_save_started` (its `at`). `loss_factor`, `slow_down`, `before_reduce`, `save_delay_s`,
-`after_save_started` and `restore_delay_s` change the step's (or the restore's) own values and are
-called where they act.
+in `after_save_started`; at `write` and `metadata`: in the writer `writer_for` hands the checkpointer),
+`bitflip` and `hang` in `after_optimizer_step`; `freeze` in `reader_for`, `before_reduce` or
+`after_save_started` (its `at`). `loss_factor`, `slow_down`, `before_reduce`, `writer_for`,
+`after_save_started` and `reader_for` change the step's (or the save's, or the restore's) own
+values and are called where they act; the slowed and cut writers and the slowed reader are
+`raytrain_ft.resilience.storage_faults`'.
 
 Before a `raise`/`kill` fault (not one at `save`: it strikes the save itself), before a `hang`
 sleeps and before a `freeze` at `reduce` or `save`, every rank calls `settle()`: the loop finishes
@@ -70,8 +76,11 @@ from collections.abc import Callable
 import fsspec
 import torch
 
+from raytrain_ft.checkpoint.checkpointer import WriterFactory
+from raytrain_ft.checkpoint.integrity import ChecksummedReader, ChecksummedWriter
 from raytrain_ft.fault_spec import FaultSpec
 from raytrain_ft.hooks import StepHook, StepResult
+from raytrain_ft.resilience.storage_faults import CutWriter, SlowReader, SlowWriter
 from raytrain_ft.run_folder import fault_marker
 
 SAVE_FAULT_DELAY_S = 3.0  # a fault at `save` comes 0.5 s after the save started: well inside the write
@@ -141,7 +150,8 @@ class FaultInjector(StepHook):
         return [(i, f) for i, f in self._pending(step, ("freeze",)) if (f.at or "reduce") == at]
 
     def _failures(self, step: int, at: str) -> list[tuple[int, FaultSpec]]:
-        """`raise` / `kill` faults due at `step` at moment `at` ("": before the step, or "save")."""
+        """`raise` / `kill` faults due at `step` at moment `at` ("": before the step; "save", "write",
+        "metadata": in the save of `step`)."""
         return [(i, f) for i, f in self._pending(step, ("raise", "kill")) if f.at == at]
 
     def _freeze(self, index: int, step: int) -> None:
@@ -176,24 +186,32 @@ class FaultInjector(StepHook):
                     os.kill(os.getpid(), signal.SIGKILL)
                 raise InjectedFault(f"injected fault at step {step} on rank {self.rank}")
 
-    def save_delay_s(self, step: int) -> float:
-        """Seconds this rank's writer waits before writing the save of `step`: long enough for a
-        fault at `save` to strike first, or a `slow_save` fault's `seconds`."""
+    def writer_for(self, step: int) -> WriterFactory:
+        """The storage writer of this rank's save of `step` (`raytrain_ft.resilience.storage_faults`):
+        a `CutWriter` for a `kill` at `write` or `metadata`; a `SlowWriter` holding the write long
+        enough for a fault at `save` to strike first, or for a `slow_save` fault's `seconds`; else
+        the plain `ChecksummedWriter`."""
+        cuts = [(i, f) for i, f in self._failures(step, "write") + self._failures(step, "metadata") if self._mine(f)]
+        if cuts:
+            (index, cut), *_ = cuts
+            return lambda path: CutWriter(path, cut.at, lambda: self._mark(index, step))
         delay = self._slow_storage_s("slow_save", step)
         if self._freezes(step, "save"):
             self.settle()  # the step the frozen run resumes from must not depend on the last save's timing
         held = self._failures(step, "save") + self._freezes(step, "save")
         if any(self._mine(f) for _, f in held):
             delay = max(delay, SAVE_FAULT_DELAY_S)
-        return delay
+        return (lambda path: SlowWriter(path, delay)) if delay > 0 else ChecksummedWriter
 
-    def restore_delay_s(self, step: int) -> float:
-        """Seconds this rank's reader holds the restore of the checkpoint of `step` (`slow_restore`
-        faults); a `freeze` at `start` of `step` stops the rank here instead."""
+    def reader_for(self, step: int) -> Callable[[str], ChecksummedReader]:
+        """The reader of this rank's restore of the checkpoint of `step`: a `SlowReader` holding it
+        for `slow_restore` faults' `seconds`, else the plain `ChecksummedReader`; a `freeze` at
+        `start` of `step` stops the rank here instead."""
         for i, f in self._freezes(step, "start"):
             if self._mine(f):
                 self._freeze(i, step)
-        return self._slow_storage_s("slow_restore", step)
+        delay = self._slow_storage_s("slow_restore", step)
+        return (lambda path: SlowReader(path, delay)) if delay > 0 else ChecksummedReader
 
     def _slow_storage_s(self, kind: str, step: int) -> float:
         """The `seconds` of this rank's `kind` faults (`slow_save`, `slow_restore`) that cover `step`."""

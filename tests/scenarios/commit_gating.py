@@ -7,7 +7,7 @@ once per "step" (as `loop.Trainer.step` does) until the save commits or fails. T
 records the step, and rank 0 writes the committed path to OUT/run/latest (as `LocalSession.commit`).
 
 1. Step 5 saves and commits on both ranks.
-2. Step 10: rank 0 writes at once; rank 1's writer first sleeps 1 s (`write_delay_s`, the
+2. Step 10: rank 0 writes at once; rank 1's writer first sleeps 1 s (`SlowWriter`, the
    `slow_save` fault's writer) and then fails for real: its soft `RLIMIT_FSIZE` is 4 KiB, below its
    16 KiB shard, so the kernel refuses the write with EFBIG (SIGXFSZ ignored), which torch's writer
    reports as a short write ("unexpected pos").
@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 
 from raytrain_ft.checkpoint.checkpointer import Checkpointer, restore_latest
 from raytrain_ft.checkpoint.train_state import KEY_META, KEY_MODEL, ModelState, RunMeta, TrainState
+from raytrain_ft.resilience.storage_faults import SlowWriter
 from raytrain_ft.run_folder import step_path
 from raytrain_ft.telemetry.recorder import NullRecorder
 
@@ -74,7 +75,7 @@ def save_and_poll(
 ) -> tuple[str | None, float]:
     """Save `step` and poll until it is complete, then `commit` it; return (`Type: message` if it
     failed, when it ended)."""
-    ckpt.save(step, state, write_delay_s=delay_s)
+    ckpt.save(step, state, lambda path: SlowWriter(path, delay_s))
     while True:
         try:
             if (complete := ckpt.poll()) is not None:

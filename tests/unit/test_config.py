@@ -97,7 +97,13 @@ def test_failure_recovery_defaults_to_restart_and_refuses_unknown_modes():
 
 def test_a_fault_moment_the_kind_does_not_have_is_refused_in_one_line():
     assert load_config(None, ["faults=[{kind: raise, at: save, step: 5}]"]).faults[0].at == "save"
-    with pytest.raises(ConfigError, match=r"^config key 'faults\[0\]\.at' is 'start'; valid for kill: save$"):
+    with pytest.raises(
+        ConfigError, match=r"^config key 'faults\[0\]\.at' is 'start'; valid for kill: save, write, metadata$"
+    ):
         load_config(None, ["faults=[{kind: kill, at: start, step: 5}]"])
+    with pytest.raises(ConfigError, match=r"^config key 'faults\[0\]\.at' is 'write'; valid for raise: save$"):
+        load_config(None, ["faults=[{kind: raise, at: write, step: 5}]"])
+    with pytest.raises(ConfigError, match=r"^config key 'faults\[0\]\.rank' is 1 for a kill at metadata; only rank 0"):
+        load_config(None, ["faults=[{kind: kill, at: metadata, step: 5, rank: 1}]"])
     with pytest.raises(ConfigError, match=r"^config key 'faults\[0\]\.at' is 'save'; nan takes no 'at'$"):
         load_config(None, ["faults=[{kind: nan, at: save, step: 5}]"])

@@ -13,7 +13,6 @@ import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from raytrain_ft.checkpoint import checkpointer as checkpoint
 from raytrain_ft.checkpoint.checkpointer import Checkpointer
 from raytrain_ft.checkpoint.integrity import ChecksummedWriter
 from raytrain_ft.checkpoint.train_state import KEY_MODEL, ModelState, TrainState
@@ -49,11 +48,10 @@ def commit(ckpt: Checkpointer, finish: str) -> int | None:
 
 
 @pytest.mark.parametrize("finish", ["wait", "poll"])
-def test_a_write_that_runs_out_of_space_is_one_line(saved_once, tmp_path, monkeypatch, finish):
+def test_a_write_that_runs_out_of_space_is_one_line(saved_once, tmp_path, finish):
     ckpt, state = saved_once
     # the kernel's errno with a text that does not say "No space left": found through DCP's per-rank failures
-    monkeypatch.setattr(checkpoint, "ChecksummedWriter", failing_writer(OSError(errno.ENOSPC, "quota exhausted")))
-    ckpt.save(4, state)
+    ckpt.save(4, state, failing_writer(OSError(errno.ENOSPC, "quota exhausted")))
     with pytest.raises(StorageFullError) as e:
         commit(ckpt, finish)
     message = str(e.value)
@@ -64,10 +62,9 @@ def test_a_write_that_runs_out_of_space_is_one_line(saved_once, tmp_path, monkey
     assert message.endswith("free space there, lower checkpoint.num_to_keep, or move run.storage_path")
 
 
-def test_any_other_failed_write_is_raised_as_dcp_raised_it(saved_once, monkeypatch):
+def test_any_other_failed_write_is_raised_as_dcp_raised_it(saved_once):
     ckpt, state = saved_once
-    monkeypatch.setattr(checkpoint, "ChecksummedWriter", failing_writer(OSError(errno.EIO, "I/O error")))
-    ckpt.save(4, state)
+    ckpt.save(4, state, failing_writer(OSError(errno.EIO, "I/O error")))
     with pytest.raises(CheckpointException) as e:  # not taken for a full disk
         ckpt.wait()
     [(error, _)] = e.value.failures.values()

@@ -2,8 +2,11 @@
 
 - Ray (`ray`, `ray.*`) only under `raytrain_ft/launch/`: the loop, the checkpoints, the data rules,
   the run folder and the telemetry run without Ray (`torchrun`, `raytrain-ft check`, the benchmarks).
-- Ray's private names (`ray.*._internal`, or an underscored name imported from Ray) only in
-  `raytrain_ft/launch/ray_internals.py`, the one adapter that says why each is needed.
+- Ray's private names (`ray.*._internal`, an underscored name imported from Ray, or an underscored
+  attribute reached from `ray`, such as `ray._private`) only in `raytrain_ft/launch/ray_internals.py`,
+  the one adapter that says why each is needed.
+- torch's private DCP names (an underscored module or name of `torch.distributed.checkpoint`) only in
+  `raytrain_ft/checkpoint/dcp_internals.py`, its adapter, with the torch versions it was checked against.
 - No torch in what Ray Data's read tasks unpickle (`raytrain_ft.launch.datasource` and the
   modules it imports): each read task's worker process would import it for nothing. The same for
   the driver's own actors (`ProgressWatchdog`, `RecorderActor`): one process each per run.
@@ -18,6 +21,7 @@ from conftest import REPO
 
 PACKAGE = Path(REPO, "raytrain_ft")
 ADAPTER = PACKAGE / "launch" / "ray_internals.py"
+DCP_ADAPTER = PACKAGE / "checkpoint" / "dcp_internals.py"
 
 
 def imports(path: Path) -> list[tuple[int, str, list[str]]]:
@@ -51,6 +55,20 @@ def test_ray_is_imported_only_under_launch():
     assert not outside, "Ray outside raytrain_ft/launch/: " + "; ".join(outside)
 
 
+def private_attributes(path: Path, root: str) -> list[tuple[int, str]]:
+    """(line, dotted name) of every attribute chain from the name `root` with an underscored part
+    (`ray._private.state`), read from the syntax tree."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        parts, inner = [], node
+        while isinstance(inner, ast.Attribute):
+            parts.insert(0, inner.attr)
+            inner = inner.value
+        if parts and isinstance(inner, ast.Name) and inner.id == root and any(p.startswith("_") for p in parts):
+            found.append((node.lineno, ".".join([root, *parts])))
+    return found
+
+
 def test_rays_private_names_are_imported_only_by_the_adapter():
     private = [
         f"{path.relative_to(REPO)}:{line} imports {module} {names}"
@@ -59,13 +77,36 @@ def test_rays_private_names_are_imported_only_by_the_adapter():
         for line, module, names in ray_imports(path)
         if "_internal" in module.split(".") or any(n.startswith("_") for n in names)
     ]
+    private += [
+        f"{path.relative_to(REPO)}:{line} reads {name}"
+        for path in modules()
+        if path != ADAPTER
+        for line, name in private_attributes(path, "ray")
+    ]
     assert not private, "Ray's private names outside launch/ray_internals.py: " + "; ".join(private)
     assert any("_internal" in module for _, module, _ in ray_imports(ADAPTER))
+    assert any(name.startswith("ray._private") for _, name in private_attributes(ADAPTER, "ray"))
 
 
-def test_the_checks_see_function_level_imports(tmp_path):
+def test_torchs_private_dcp_names_are_imported_only_by_their_adapter():
+    private = [
+        f"{path.relative_to(REPO)}:{line} imports {module} {names}"
+        for path in modules()
+        if path != DCP_ADAPTER
+        for line, module, names in imports(path)
+        if module.startswith("torch.distributed.checkpoint")
+        and (any(p.startswith("_") for p in module.split(".")) or any(n.startswith("_") for n in names))
+    ]
+    assert not private, "torch's private DCP names outside checkpoint/dcp_internals.py: " + "; ".join(private)
+    assert any("._fsspec_filesystem" in module for _, module, _ in imports(DCP_ADAPTER))
+
+
+def test_the_checks_see_function_level_imports_and_attributes(tmp_path):
     sample = tmp_path / "sample.py"
-    sample.write_text("def f():\n    import ray.data\n    from ray.train.v2._internal.x import Y\n")
+    sample.write_text(
+        "def f():\n    import ray.data\n    from ray.train.v2._internal.x import Y\n    ray._private.x()\n"
+    )
+    assert private_attributes(sample, "ray") == [(4, "ray._private.x"), (4, "ray._private")]
     assert [(line, module) for line, module, _ in ray_imports(sample)] == [
         (2, "ray.data"),
         (3, "ray.train.v2._internal.x"),

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torchft  # noqa: F401  (the ft extra: a missing torchft fails these guarantees' tests, never skips them)
 
 from raytrain_ft.checkpoint.train_state import (
     KEY_DATA,
@@ -41,8 +42,6 @@ from raytrain_ft.resilience.guards import (
 from raytrain_ft.resilience.replicas import Replicas, Share, flat_optimizer_state, state_digest
 from raytrain_ft.run_folder import replica_final_file
 from raytrain_ft.telemetry.recorder import Gated, NullRecorder, Recorder
-
-torchft = pytest.importorskip("torchft")
 
 
 def free_port() -> int:
@@ -122,6 +121,36 @@ def test_one_replica_trains_the_whole_batch_and_commits(lighthouse, tmp_path):
     expected = state_digest({**model.state_dict(), **flat_optimizer_state(state)})
     assert record == {"step": 6, "digest": expected, "skipped": 2}
     assert any(k.startswith("optim.state.weight.") for k in record["digest"])
+
+
+def test_no_quorum_within_the_bound_is_an_error_not_a_wait(monkeypatch):
+    """`waits.quorum_timeout_s`: a replica alone where the lighthouse needs two gets no quorum, and
+    `begin()` raises once the bound has passed instead of waiting on (the attempt fails: a restart
+    that Ray's FailureConfig counts)."""
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=100, heartbeat_timeout_ms=1000)
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    for key, value in {
+        "TORCHFT_LIGHTHOUSE": server.address(),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }.items():
+        monkeypatch.setenv(key, value)
+    cfg = load_config(None, ["failure.recovery=replica", "scaling.num_workers=1", "waits.quorum_timeout_s=3"])
+    model = torch.nn.Linear(3, 2)
+    state = TrainState(0)
+    state.add(KEY_MODEL, ModelState(model))
+    replicas = Replicas(cfg, state, replica_index=0, step=0, heal_only={}, recorder=NullRecorder())
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match="Timeout expired"):
+            replicas.begin()
+        assert 3 <= time.monotonic() - started < 30
+    finally:
+        server.shutdown()
+        del store
 
 
 STEP_S = 0.2  # a step's other work: a peer started meanwhile joins well before a trains 4 steps alone

@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import assert_tensors_equal
-from raytrain_ft.checkpoint.checkpointer import Checkpointer, _SlowWriter
+from raytrain_ft.checkpoint.checkpointer import Checkpointer
 from raytrain_ft.checkpoint.integrity import ChecksummedWriter
 from raytrain_ft.checkpoint.reader import load_model_state_dict
 from raytrain_ft.checkpoint.train_state import (
@@ -28,6 +28,7 @@ from raytrain_ft.checkpoint.train_state import (
 )
 from raytrain_ft.config import TrainSection
 from raytrain_ft.errors import CheckpointError
+from raytrain_ft.resilience.storage_faults import SlowWriter
 from raytrain_ft.run_folder import step_path
 from raytrain_ft.schedule import lr_schedule
 
@@ -72,7 +73,7 @@ def test_a_save_while_one_is_in_flight_is_refused_and_each_completed_step_is_ret
     state.add("model", ModelState(torch.nn.Linear(8, 8)))
     ckpt = Checkpointer(str(tmp_path))
     assert ckpt.poll() is None and ckpt.wait() is None  # nothing in flight: nothing completes
-    ckpt.save(1, state, write_delay_s=0.5)
+    ckpt.save(1, state, lambda path: SlowWriter(path, 0.5))
     with pytest.raises(RuntimeError, match=r"^step-1 is still in flight: wait\(\) for it before saving step-2$"):
         ckpt.save(2, state)
     assert ckpt.wait() == 1 and ckpt.pending is None
@@ -91,13 +92,13 @@ def test_async_snapshot_is_not_torn_by_later_updates(tmp_path, process_group, mo
         release.wait(timeout=120)
         return ChecksummedWriter.write_data(self, plan, planner)
 
-    monkeypatch.setattr(_SlowWriter, "write_data", gated_write)
+    monkeypatch.setattr(SlowWriter, "write_data", gated_write)
     model = torch.nn.Linear(64, 64)
     state = TrainState(rank=0)
     state.add("model", ModelState(model))
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     ckpt = Checkpointer(str(tmp_path))
-    ckpt.save(7, state, write_delay_s=1.0)
+    ckpt.save(7, state, lambda path: SlowWriter(path, 1.0))
     ckpt.wait_staged()
     with torch.no_grad():  # an optimizer step right after the snapshot, while the write is held
         for p in model.parameters():

@@ -15,6 +15,7 @@ from raytrain_ft.data.batches import Batches
 from raytrain_ft.data.position import BatchPlan, DataPosition
 from raytrain_ft.errors import ConfigError
 from raytrain_ft.resilience.replicas import Share
+from raytrain_ft.resilience.storage_faults import SlowWriter
 from raytrain_ft.resilience.waits import WaitTimeoutError, bounded, conflicts, wait_for
 from raytrain_ft.run_folder import read_commit_ack, write_commit_ack
 
@@ -112,7 +113,7 @@ def test_a_checkpoint_write_that_stalls_fails_the_attempt_in_one_line(tmp_path, 
     state = TrainState(0)
     state.add(KEY_MODEL, ModelState(torch.nn.Linear(8, 8)))
     ckpt = Checkpointer(str(tmp_path), timeout_s=1)
-    ckpt.save(4, state, write_delay_s=5)  # the storage holds the write back 5 s
+    ckpt.save(4, state, lambda path: SlowWriter(path, 5))  # the storage holds the write back 5 s
     with pytest.raises(WaitTimeoutError) as e:
         ckpt.wait()
     assert str(e.value) == (
