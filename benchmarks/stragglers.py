@@ -20,7 +20,8 @@ share inside its forward/backward, holding no CPU (a `device` fault, `raytrain_f
 with S well above the real compute, the rows hold at W ranks on fewer cores, as on W GPUs driven by
 W host processes. The all-reduce, optimizer step and data feed stay real. `--runs healthy,uneven`
 with many `--healthy-steps` measures false flags alone (`false_flags_per_rank_step`: flags over the
-rank-steps judged in the two runs).
+rank-steps judged in the two runs; `healthy_slow_tail`: how often a rank's window held 1, 2, ... slow
+steps, the rate the flag's rule cuts at, and the longest burst).
 From each run's MLflow metrics (`train/compute_s_per_seq_rank<r>`) and events: each rank's
 slowness (`straggler.slowness`, at the run's shares; percentiles over the healthy runs' steps), the
 `straggler` events (a flag in a healthy run is a false flag), the delay from the fault's first step
@@ -50,7 +51,7 @@ from mlflow.tracking import MlflowClient
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 from local_run import local_run  # noqa: E402  (the Ray-free session the tests use)
-from raytrain_ft.config import load_config  # noqa: E402
+from raytrain_ft.config import StragglerSection, load_config  # noqa: E402
 from raytrain_ft.data.position import BatchPlan  # noqa: E402
 from raytrain_ft.data.prepare import PrepareSettings  # noqa: E402
 from raytrain_ft.launch.prepare import prepare  # noqa: E402
@@ -116,6 +117,29 @@ def measure(root: str, data: str, name: str, steps: int, g: int, world: int, *ov
         "ratios": ratios,
         "steps_per_s": 1 / statistics.median(step_time[s] for s in step_time if s >= STEADY_FROM),
         "flags": [{k: e[k] for k in ("step", "rank", "factor", "first_step")} for e in flags],
+    }
+
+
+def slow_tail(runs: list[list[list[float]]]) -> dict:
+    """How close healthy noise comes to a flag, under the default rule (`StragglerSection`: slow
+    above `threshold`, flagged at `min_slow_steps` of `window`): over every rank and every `window`
+    consecutive steps of `runs` (each run: one row of ratios per step), the fraction with at least j
+    slow steps, j = 1 .. min_slow_steps (the last is the false-flag rate per rank-window), and the
+    longest run of consecutive slow steps of one rank."""
+    rule = StragglerSection()
+    counts, longest = [], 0
+    for ratios in runs:
+        for r in range(len(ratios[0])):
+            slow = [row[r] > rule.threshold for row in ratios]
+            counts += [sum(slow[i : i + rule.window]) for i in range(len(slow) - rule.window + 1)]
+            burst = 0
+            for x in slow:
+                burst = burst + 1 if x else 0
+                longest = max(longest, burst)
+    return {
+        "rank_windows": len(counts),
+        "at_least_j_slow": {j: sum(c >= j for c in counts) / len(counts) for j in range(1, rule.min_slow_steps + 1)},
+        "longest_slow_burst": longest,
     }
 
 
@@ -206,6 +230,7 @@ def main() -> None:
         "false_flags_uneven": len(runs["uneven"]["flags"]),
         # judged rank-steps of the two healthy runs (every rank is judged at every step)
         "false_flags_per_rank_step": false_flags / (2 * args.healthy_steps * w),
+        "healthy_slow_tail": slow_tail([runs[name]["ratios"] for name in ("healthy", "uneven")]),
         "steps_per_s_healthy": healthy_sps,
         "bound_unmitigated": 1 / F,
         "bound_rebalanced": (w - 1 + 1 / F) / w,

@@ -208,7 +208,7 @@ class StragglerSection:
     threshold: float = 1.5  # slow at a step: its compute over what the others predict for its share exceeds this
     window: int = 10  # steps judged: a rank is flagged when slow in min_slow_steps of the last window steps
     min_slow_steps: int = 6  # of the last window steps; a flagged rank recovers when fast in as many
-    exclude_after_steps: int = 10  # action exclude: a flagged rank not recovered this many steps after its flag leaves
+    exclude_after_steps: int = 30  # action exclude: a flagged rank not recovered this many steps after its flag leaves
     probe_every_steps: int = 100  # action rebalance: after this many rebalanced steps, window steps at the even split
 
 

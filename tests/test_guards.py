@@ -152,6 +152,7 @@ def test_the_save_before_an_excluded_rank_leaves_is_fingerprinted_and_withheld_w
     assert excluded["rank"] == 1
     assert [e["step"] for e in events(cfg.tracking.uri, run_id, "replica_mismatch")] == [excluded["step"]]
     assert complete_steps(root(cfg)) == []  # the diverged step was not saved
+    assert_resumed(cfg.tracking.uri, run_id, [0])  # one attempt, ended at the exclusion (no driver restarts it)
 
 
 def test_persistent_spikes_roll_back_and_skip_the_data_window(tmp_path, dataset):

@@ -37,9 +37,10 @@ def test_the_slow_rank_is_flagged_and_an_uneven_healthy_run_flags_nothing(tmp_pa
     run_id = local_run(cfg)
     flags = events(cfg.tracking.uri, run_id, "straggler")
     assert [(e["rank"], e["action"]) for e in flags] == [(1, "warn")]
-    # not before 6 slow steps (min_slow_steps), one of them maybe a blip just before the fault; how soon
-    # after is timing (3 ranks on 2 cores: 12 steps after the fault in a CI run): benchmarks/stragglers.py
-    assert SLOW_FROM + 4 <= flags[0]["step"] <= STEPS
+    # not before the fault: 6 slow steps (min_slow_steps) of 10, of which bursts of healthy noise just
+    # before the fault may be some (3 ranks on 2 cores: up to 3 in a row in benchmarks/stragglers.py's
+    # 2,000-step runs; a CI run flagged at step 13 with 3); how soon after is timing (the benchmark's)
+    assert SLOW_FROM <= flags[0]["step"] <= STEPS
     # the window's first slow step: under load a one-step blip just before the fault may open it
     assert flags[0]["step"] - 10 < flags[0]["first_step"] < flags[0]["step"]
     assert flags[0]["factor"] > 1.5 and flags[0]["node"]
@@ -100,3 +101,43 @@ def test_rebalance_moves_sequences_off_the_slow_rank_keeps_the_math_and_resumes_
     assert_same_state(final_state(cfg, 24), rebalanced)
     resumed = read_audit(run_root(cfg))
     assert resumed.equals(audit)
+
+
+PROBE_EVERY, WINDOW, SLOW_UNTIL = 5, 10, 29  # WINDOW: straggler.window's default
+
+
+def test_rebalance_holds_the_split_through_a_probe_while_slow_and_moves_back_after(tmp_path, dataset):
+    """No oscillation: rank 1 at factor 3 from step 3 to SLOW_UNTIL. Once moved, the split stays
+    put except for the probes (WINDOW steps at the even split every PROBE_EVERY steps of the
+    split), each of which finds the rank still slow while the fault lasts; after the fault the next
+    probe finds it fast and the even split stays to the end."""
+    slow_fault = f"faults=[{{kind: slow, rank: 1, factor: 3.0, step: 3, steps: {SLOW_UNTIL - 2}}}]"
+    steps = SLOW_UNTIL + 2 * WINDOW + 2 * PROBE_EVERY + 2
+    cfg = make_config(
+        tmp_path,
+        dataset,
+        *REBALANCE[:1],
+        *REBALANCE[2:5],
+        f"train.max_steps={steps}",
+        f"checkpoint.interval_steps={steps}",
+        "straggler.action=rebalance",
+        f"straggler.probe_every_steps={PROBE_EVERY}",
+        slow_fault,
+    )
+    run_id = local_run(cfg)
+    [flag] = events(cfg.tracking.uri, run_id, "straggler")  # flagged once: never again after a probe
+    [back] = events(cfg.tracking.uri, run_id, "straggler_recovered")
+    moved, recovered = flag["step"], back["step"]
+    assert flag["rank"] == back["rank"] == 1 and 3 <= moved < 16
+    assert SLOW_UNTIL < recovered <= SLOW_UNTIL + 2 * WINDOW + PROBE_EVERY  # in the first probe after the fault
+    audit = read_audit(run_root(cfg))
+    step_of, rank_of = (audit.column(c).to_numpy() for c in ("step", "rank"))
+    split = {s: tuple(np.bincount(rank_of[step_of == s], minlength=3).tolist()) for s in range(1, steps + 1)}
+    moved_split = tuple(proportional_split(12, [1.0, 1 / flag["factor"], 1.0]))
+    # from the flag to the recovery: PROBE_EVERY steps of the moved split, then a probe of WINDOW
+    # steps at the even split, again and again; even from the recovery on
+    cycle = [moved_split] * PROBE_EVERY + [(4, 4, 4)] * WINDOW
+    expected = [(4, 4, 4)] * moved + [cycle[i % len(cycle)] for i in range(recovered - moved)]
+    expected += [(4, 4, 4)] * (steps - recovered)
+    assert [split[s] for s in range(1, steps + 1)] == expected
+    assert split[recovered] == (4, 4, 4)  # recovered inside a probe: the split had already moved back

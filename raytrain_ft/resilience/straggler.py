@@ -49,7 +49,10 @@ flags and detection delay of longer runs: `benchmarks/stragglers.py` (docs/bench
 
 `Exclusion` (`straggler.action: exclude`, pure, the same decision on every member): a member still
 flagged `exclude_after_steps` steps after its flag leaves at that step boundary, unless the members
-would fall below their minimum. What leaving means per recovery mode is the step members'
+would fall below their minimum. The default 30 confirms a flag over three more windows before a
+restart is spent on it: from the healthy-noise tail of benchmarks/stragglers.py's 2,000-step runs,
+about 3e-15 wrongful exclusions per rank-step where 10 gave about 2e-8 (docs/stragglers.md).
+What leaving means per recovery mode is the step members'
 (`replicas.WholeGroup.exclude`, `replicas.Replicas.exclude`) and the driver's (docs/stragglers.md).
 """
 
@@ -59,7 +62,7 @@ import logging
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -134,15 +137,30 @@ def predicted_s(others: Sequence[tuple[int, float]], share: int, bound: str = "u
     return mean_t - b * mean_n + b * share
 
 
-def slowness(per_sequence_s: Sequence[float], shares: Sequence[int] = (), bound: str = "upper") -> list[float]:
+def slowness(
+    per_sequence_s: Sequence[float],
+    shares: Sequence[int] = (),
+    bound: str = "upper",
+    flagged: Collection[int] = (),
+) -> list[float]:
     """Each member's compute seconds of the step over what the other members' figures predict for
     its share (`predicted_s` at `bound`); `per_sequence_s` and `shares` (sequences per member,
-    default all equal) in the split's rank order. 1.0 alone or when the others measured nothing."""
+    default all equal) in the split's rank order. 1.0 alone or when the others measured nothing.
+
+    The figures of the `flagged` members (known stragglers) predict nobody's cost while any other
+    member is left: a slow member's figure is not the cost of a healthy one, and fitted into the
+    cost model at its (rebalanced, smaller) share it flattens the slope and lowers the prediction
+    for a larger share. Measured: at 4 ranks with rank 1 rebalanced to (4, 2, 3, 3), healthy rank
+    0 at its lone share of 4 read 1.63 and was flagged (benchmarks/stragglers.py, simulated device);
+    under a cost per sequence its ratio to the others' prediction is at most 4/3 with the slow
+    figure in the fit and at most 1 without it."""
     shares = list(shares) or [1] * len(per_sequence_s)
     step_s = [t * n for t, n in zip(per_sequence_s, shares, strict=True)]
+    pairs = list(zip(shares, step_s, strict=True))
     out = []
     for r, t in enumerate(step_s):
-        others = [(n, x) for i, (n, x) in enumerate(zip(shares, step_s, strict=True)) if i != r]
+        others = [p for i, p in enumerate(pairs) if i != r]
+        others = [p for i, p in enumerate(pairs) if i != r and i not in flagged] or others
         predicted = predicted_s(others, shares[r], bound)
         out.append(t / predicted if predicted > 0 else 1.0)
     return out
@@ -205,7 +223,7 @@ class StragglerDetector:
             self.judged.clear()
             self.flagged.clear()
             self.flagged_at.clear()
-        upper, lower = (slowness(per_sequence_s, shares, bound) for bound in ("upper", "lower"))
+        upper, lower = (slowness(per_sequence_s, shares, bound, self.flagged) for bound in ("upper", "lower"))
         self.judged.append((step, upper, lower, self.held))
         flagged, recovered = [], []
         for r in range(len(per_sequence_s)):

@@ -54,7 +54,7 @@ def test_the_config_builds_the_exclusion_of_its_recovery_mode(tmp_path):
     tiny = f"{REPO}/configs/tiny.yaml"
     assert exclusion(load_config(tiny, ["straggler.action=warn"])) is None
     restart = exclusion(load_config(tiny, ["straggler.action=exclude", "scaling.num_workers=[2,3]"]))
-    assert restart is not None and (restart.after_steps, restart.min_members) == (10, 2)
+    assert restart is not None and (restart.after_steps, restart.min_members) == (30, 2)
     replica = exclusion(load_config(tiny, ["straggler.action=exclude", "failure.recovery=replica"]))
     assert replica is not None and replica.min_members == 1
     with pytest.raises(ConfigError, match="straggler.exclude_after_steps"):

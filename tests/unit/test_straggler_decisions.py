@@ -77,6 +77,20 @@ def test_a_rank_with_a_smaller_share_is_judged_against_the_cost_the_others_predi
     assert detector.observe(2, [0.224 / 2, 0.1 / 3, 0.1 / 3], [2, 3, 3])[0] == [Straggler(0, pytest.approx(2.24), 2)]
 
 
+def test_a_flagged_members_figure_predicts_no_other_members_cost():
+    # the measured false flag (W=4, simulated device): rank 1 (factor 2) rebalanced to 2 of (4, 2, 3, 3);
+    # cost per sequence 0.05 s; healthy rank 0 at its lone share of 4 measures 1.4x in a noisy step
+    shares, noisy = [4, 2, 3, 3], [1.4 * 0.05, 2 * 0.05, 0.05, 0.05]
+    # with rank 1 in the fit: (2, 0.2) and (3, 0.15), slope clamped to 0, the mean 0.175 predicted for 4
+    assert slowness(noisy, shares)[0] == pytest.approx(0.28 / 0.175)
+    # rank 1 known slow: the others at 3 bound rank 0's 4 at 0.15 x 4/3
+    assert slowness(noisy, shares, flagged={1})[0] == pytest.approx(1.4)
+    assert slowness([0.05, 0.1], [2, 2], flagged={0, 1}) == pytest.approx([0.5, 2.0])  # no one else: all
+    detector = StragglerDetector(threshold=1.5, window=3, min_slow_steps=2)
+    detector.assume(Straggler(1, 2.0, 1), 1)
+    assert [detector.observe(s, noisy, shares) for s in (2, 3, 4)] == [([], [])] * 3
+
+
 def test_a_change_of_the_members_starts_the_judgement_afresh():
     detector = StragglerDetector(threshold=1.5, window=4, min_slow_steps=2)
     detector.observe(1, [1.0, 1.0, 3.0])
