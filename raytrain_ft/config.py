@@ -141,7 +141,7 @@ class FailureSection:
 
 @dataclass
 class WaitsSection:
-    """Bounds of the waits no other key bounds (docs/restart-recovery.md#every-wait-is-bounded lists every wait)."""
+    """Bounds of the waits no other key bounds (docs/hangs-and-waits.md#every-wait-is-bounded lists every wait)."""
 
     commit_timeout_s: float = 60.0  # wait for Ray Train to register a commit; then the attempt fails (a restart)
     data_timeout_s: float = 120.0  # wait for one step's batch from the data pipeline; then the attempt fails

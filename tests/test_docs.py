@@ -294,11 +294,11 @@ def test_every_mlflow_ui_link_opens_the_model_training_view():
 
 def test_the_waits_table_names_every_bound_key_of_the_config():
     # a bound: every key of the `waits` section and every `*_timeout_s` key elsewhere
-    text = DOCS["docs/restart-recovery.md"]
+    text = DOCS["docs/hangs-and-waits.md"]
     section = text[text.index("## Every wait is bounded") :]
-    section = section[: section.index("\n## ")]
+    section = section.split("\n## ")[0]
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| wait |")]
     named = {k for row in rows for k in re.findall(r"`([a-z_]+\.[a-z_.]+)`", row.split(" | ")[2])}
     bounds = {k for k in valid_keys() if k.startswith("waits.") or k.endswith("timeout_s")}
-    assert bounds <= named, f"add a row to the table in docs/restart-recovery.md for {sorted(bounds - named)}"
+    assert bounds <= named, f"add a row to the table in docs/hangs-and-waits.md for {sorted(bounds - named)}"
     assert named <= set(valid_keys()), f"the table names keys the config lacks: {sorted(named - set(valid_keys()))}"

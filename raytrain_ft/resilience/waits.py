@@ -1,7 +1,7 @@
 """Bounded waits: every wait of a run ends within a bound from the config, in a counted failure or one line.
 
 The table of every wait, its bound, its config key and what happens when it expires is
-docs/restart-recovery.md#every-wait-is-bounded. This module holds what those waits share:
+docs/hangs-and-waits.md#every-wait-is-bounded. This module holds what those waits share:
 
 * `WaitTimeoutError`: a wait that expired inside a worker. It is an ordinary exception (not a
   `UserError`), so the attempt fails and Ray Train restarts the group, counted against
