@@ -38,7 +38,7 @@ from raytrain_ft.checkpoint import checkpointer as checkpoint
 from raytrain_ft.checkpoint.checkpointer import Checkpointer
 from raytrain_ft.checkpoint.integrity import ChecksummedWriter
 from raytrain_ft.checkpoint.train_state import KEY_META, ModelState, OptimizerState, RunMeta, TrainState
-from raytrain_ft.model.llama import build_model, lm_loss
+from raytrain_ft.model.causal_lm import build_model, lm_loss
 from raytrain_ft.run_folder import step_path
 from report import default_out, report, scratch
 
@@ -61,7 +61,7 @@ def main() -> None:
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{root}/store", rank=0, world_size=1)
 
     torch.manual_seed(0)
-    model = build_model(args.preset, 8192, 128, 0.0).to(device)
+    model = build_model(args.preset, 8192, 128).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, 8192, (1, 129), device=device)
 

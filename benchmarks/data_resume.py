@@ -38,7 +38,7 @@ from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.data.prepare import PrepareSettings
 from raytrain_ft.launch.datasource import rank_datasource, rank_micro_batches
 from raytrain_ft.launch.prepare import prepare
-from raytrain_ft.model.llama import build_model, lm_loss
+from raytrain_ft.model.causal_lm import build_model, lm_loss
 from report import default_out, report, scratch
 
 
@@ -127,7 +127,7 @@ def loader_tokens_per_s(path, m, plan, batches: int) -> float:
 
 def model_tokens_per_s(vocab: int, micro: int) -> float:
     torch.manual_seed(0)
-    model = build_model("small", vocab, 256, 0.0)
+    model = build_model("small", vocab, 256)
     opt = torch.optim.AdamW(model.parameters())
     tokens = torch.randint(0, vocab, (micro, 257))
     times = []

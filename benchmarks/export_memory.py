@@ -26,7 +26,7 @@ from raytrain_ft.checkpoint.integrity import ChecksummedWriter
 from raytrain_ft.checkpoint.train_state import KEY_META, KEY_MODEL, KEY_PROGRESS, Pickled, Progress, RunMeta
 from raytrain_ft.data.manifest import MANIFEST, Manifest
 from raytrain_ft.data.prepare import EOS, TOKENIZER_FILE, train_tokenizer
-from raytrain_ft.model.llama import build_model
+from raytrain_ft.model.causal_lm import build_model
 
 DATA_FINGERPRINT = "synthetic"
 
@@ -69,7 +69,7 @@ def synthetic_checkpoint(
     (naming `mlflow_run_id`) and progress (holds the whole model in memory while writing)."""
     torch.manual_seed(0)
     with torch.device("meta"):
-        shapes = {k: v.shape for k, v in build_model(preset, vocab_size, seq_len, 0.0).state_dict().items()}
+        shapes = {k: v.shape for k, v in build_model(preset, vocab_size, seq_len).state_dict().items()}
     fingerprint = {"model.preset": preset, "vocab_size": vocab_size, "seq_len": seq_len}
     state = {
         KEY_MODEL: {k: torch.randn(s) for k, s in shapes.items()},

@@ -85,7 +85,7 @@ from raytrain_ft.data.prepare import PrepareSettings
 from raytrain_ft.launch.driver import WORKER_ENV, run
 from raytrain_ft.launch.prepare import prepare
 from raytrain_ft.launch.ray_start import RAY_NODE_ENV
-from raytrain_ft.model.llama import build_model, lm_loss
+from raytrain_ft.model.causal_lm import build_model, lm_loss
 from raytrain_ft.resilience.recovery import failures, recovery_rows, replacement_rows
 from raytrain_ft.run_folder import worker_records, write_worker_record
 from raytrain_ft.telemetry.tracking import GOODPUT_SUMMARY, MlflowRecorder, steps_logged_since
@@ -278,7 +278,7 @@ def plain_train_func(config: dict) -> None:
     rank = ray.train.get_context().get_world_rank()
     write_worker_record(config["root"], rank, ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id())
     torch.manual_seed(0)
-    model = ray.train.torch.prepare_model(build_model(config["preset"], config["vocab"], config["seq_len"], 0.0))
+    model = ray.train.torch.prepare_model(build_model(config["preset"], config["vocab"], config["seq_len"]))
     opt = torch.optim.AdamW(model.parameters())
     start, resumed = 0, ray.train.get_checkpoint()
     if resumed:

@@ -4,7 +4,7 @@ Single process, world size 1, `torch.distributed` with NCCL (`file://` rendezvou
 
 1. `--strategy ddp` (default): the `125m` preset (vocab 8192, seq_len 512) built by
    `raytrain_ft.model.parallel.build` under DDP, AdamW, `--steps` timed training steps under bf16 autocast
-   on random tokens (after 2 warm-up steps): steps/s, tokens/s and MFU (`raytrain_ft.model.llama.flops_per_token`
+   on random tokens (after 2 warm-up steps): steps/s, tokens/s and MFU (`raytrain_ft.model.causal_lm.flops_per_token`
    over the peak of the detected GPU, `raytrain_ft.model.hardware.GPUS`);
    `--strategy fsdp`: the `1b` preset under FSDP2 (`fully_shard`, one rank, bf16 `MixedPrecisionPolicy`,
    activation checkpointing unless `--no-activation-checkpointing`), the same measurements, plus the
@@ -68,8 +68,8 @@ def main() -> int:
     from raytrain_ft.checkpoint.reader import load_model_state_dict
     from raytrain_ft.checkpoint.train_state import ModelState, OptimizerState, TrainState
     from raytrain_ft.config import load_config
+    from raytrain_ft.model.causal_lm import flops_per_token, lm_loss
     from raytrain_ft.model.hardware import GPUS
-    from raytrain_ft.model.llama import flops_per_token, lm_loss
     from raytrain_ft.model.memory import plan
     from raytrain_ft.model.parallel import build, local
     from raytrain_ft.run_folder import step_path

@@ -55,7 +55,7 @@ from raytrain_ft.config import StragglerSection, load_config  # noqa: E402
 from raytrain_ft.data.position import BatchPlan  # noqa: E402
 from raytrain_ft.data.prepare import PrepareSettings  # noqa: E402
 from raytrain_ft.launch.prepare import prepare  # noqa: E402
-from raytrain_ft.model.llama import build_model, lm_loss  # noqa: E402
+from raytrain_ft.model.causal_lm import build_model, lm_loss  # noqa: E402
 from raytrain_ft.resilience.straggler import ComputeTimer, slowness  # noqa: E402
 from raytrain_ft.telemetry.tracking import MlflowRecorder  # noqa: E402
 from report import default_out, report, scratch  # noqa: E402
@@ -151,7 +151,7 @@ def timer_cost(passes: int = 300) -> float:
     """Seconds per forward/backward pass with `ComputeTimer` over without it (tiny model, one
     thread, 2 sequences of SEQ_LEN tokens; alternating, medians)."""
     torch.set_num_threads(1)
-    timed, bare = build_model("tiny", 512, SEQ_LEN, 0.0), build_model("tiny", 512, SEQ_LEN, 0.0)
+    timed, bare = build_model("tiny", 512, SEQ_LEN), build_model("tiny", 512, SEQ_LEN)
     timer = ComputeTimer(timed, torch.device("cpu"))
     tokens = torch.randint(0, 512, (2, SEQ_LEN + 1))
     out: dict[str, list[float]] = {"timed": [], "bare": []}

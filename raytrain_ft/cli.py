@@ -280,6 +280,7 @@ def _plan_memory(args: argparse.Namespace) -> int:
     from raytrain_ft.config import load_config
     from raytrain_ft.errors import ConfigError
     from raytrain_ft.model import memory
+    from raytrain_ft.model.causal_lm import model_name
 
     overrides = [
         f"{key}={getattr(args, dest)}" for dest, key in MEMORY_FLAGS.items() if getattr(args, dest) is not None
@@ -299,7 +300,7 @@ def _plan_memory(args: argparse.Namespace) -> int:
         raise ValueError(str(e)) from None
     strategy = memory.resolve_strategy(cfg.parallel, True)
     table = Table(
-        title=f"Memory per GPU: {cfg.model.preset}, {strategy}, {cfg.worker_range[0]} GPUs, seq_len {seq_len}"
+        title=f"Memory per GPU: {model_name(cfg.model)}, {strategy}, {cfg.worker_range[0]} GPUs, seq_len {seq_len}"
     )
     table.add_column("part")
     table.add_column("GiB", justify="right")

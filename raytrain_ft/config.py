@@ -48,8 +48,9 @@ class DataSection:
 
 @dataclass
 class ModelSection:
-    preset: str = "tiny"  # tiny | small | 125m | 1b | 7b | 70b (raytrain_ft.model.llama.PRESETS)
-    dropout: float = 0.0  # attention dropout probability; > 0 makes the RNG state matter
+    preset: str = "tiny"  # tiny | small | 125m | 1b | 7b | 70b: a Llama shape (raytrain_ft.model.causal_lm.PRESETS)
+    hf_config: str = ""  # a Hugging Face config.json (or its folder) of any causal LM; set, it replaces preset
+    dropout: float = 0.0  # a preset's attention dropout probability; > 0 makes the RNG state matter
 
 
 @dataclass

@@ -47,7 +47,7 @@ from raytrain_ft.config import Config
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.errors import StorageFullError
 from raytrain_ft.hooks import StepResult
-from raytrain_ft.model.llama import lm_loss
+from raytrain_ft.model.causal_lm import lm_loss
 from raytrain_ft.model.parallel import Parallel
 from raytrain_ft.resilience.leaving import leave
 from raytrain_ft.resilience.rebalance import rebalanced

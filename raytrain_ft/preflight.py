@@ -40,7 +40,7 @@ from raytrain_ft.data.batches import check_data_fits
 from raytrain_ft.data.manifest import Manifest, load_manifest
 from raytrain_ft.data.position import check_world_sizes
 from raytrain_ft.errors import CheckpointError, ConfigError, UserError
-from raytrain_ft.model.llama import model_config
+from raytrain_ft.model.causal_lm import model_config
 from raytrain_ft.model.memory import check_fits, plan_config
 from raytrain_ft.model.parallel import mesh_shape, resolve_strategy
 from raytrain_ft.resilience.waits import conflicts
@@ -81,7 +81,7 @@ def problems(cfg: Config, cluster: dict[str, float] | None = None) -> list[UserE
     manifest: list[Manifest] = []
     if check(lambda: manifest.append(load_manifest(cfg.data.path))):
         m = manifest[0]
-        check(lambda: model_config(cfg.model.preset, m.vocab_size, m.seq_len, cfg.model.dropout))
+        check(lambda: model_config(cfg.model, m.vocab_size, m.seq_len))
         check(lambda: check_data_fits(cfg, m))
         if cfg.scaling.use_gpu:
             check(lambda: check_fits(cfg, m.vocab_size, m.seq_len))
@@ -268,13 +268,12 @@ def check_checkpoint_compatible(cfg: Config, manifest, run_root: str) -> None:
     path, saved = newest
     import torch
 
-    from raytrain_ft.model.llama import build_model
+    from raytrain_ft.model.causal_lm import build_model, model_id
 
     with torch.device("meta"):  # shapes only: no weights are allocated
-        num_params = sum(
-            p.numel() for p in build_model(cfg.model.preset, manifest.vocab_size, manifest.seq_len, 0.0).parameters()
-        )
-    if check_fingerprint(path, saved.fingerprint, fingerprint(cfg, manifest, num_params)) is not None:
+        num_params = sum(p.numel() for p in build_model(cfg.model, manifest.vocab_size, manifest.seq_len).parameters())
+    current = fingerprint(cfg, manifest, num_params, model_id(cfg.model))
+    if check_fingerprint(path, saved.fingerprint, current) is not None:
         check_extended(cfg, run_root, path, saved)
 
 

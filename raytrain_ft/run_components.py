@@ -18,8 +18,10 @@ builds them, after this), `settle()` finishes and commits the in-flight save (`T
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,6 +49,7 @@ from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import steps_per_epoch
 from raytrain_ft.data.position import BatchPlan, DataPosition
 from raytrain_ft.hooks import StepHooks
+from raytrain_ft.model.causal_lm import model_id
 from raytrain_ft.model.parallel import build
 from raytrain_ft.resilience.faults import FaultInjector
 from raytrain_ft.resilience.guards import RankChecks, RollbackLog, SpikeGuard
@@ -124,7 +127,9 @@ class RunComponents:
         self.ledger = GoodputLedger()  # kept alike on every rank; rank 0's is checkpointed and recorded
         pickled = {KEY_SCHEDULER: self.scheduler, KEY_PROGRESS: self.progress, KEY_DATA: self.position}
         pickled |= {KEY_GUARDS: self.guard, KEY_ROLLBACKS: self.rollbacks}
-        meta = RunMeta(fingerprint(cfg, self.manifest, num_params), session.mlflow_run_id)
+        fp = fingerprint(cfg, self.manifest, num_params, model_id(cfg.model))
+        config: Any = self.par.model.config  # the network's `transformers` config
+        meta = RunMeta(fp, session.mlflow_run_id, model_config=json.loads(config.to_json_string()))
         self.state = run_state(
             self.rank, self.par.model, self.optimizer, pickled, meta, self.ledger if self.rank == 0 else None
         )

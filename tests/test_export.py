@@ -25,6 +25,7 @@ from raytrain_ft.checkpoint.fingerprint import fingerprint
 from raytrain_ft.checkpoint.train_state import KEY_META, KEY_MODEL, ModelState, RunMeta, TrainState
 from raytrain_ft.cli import main
 from raytrain_ft.data.manifest import load_manifest
+from raytrain_ft.model.causal_lm import model_id
 from raytrain_ft.model.parallel import build
 from raytrain_ft.run_folder import step_path
 
@@ -42,7 +43,7 @@ def restored_model(cfg, step: int) -> torch.nn.Module:
     num_params = sum(p.numel() for p in par.model.parameters())
     state = TrainState(0)
     state.add(KEY_MODEL, ModelState(par.model))
-    state.add(KEY_META, RunMeta(fingerprint(cfg, manifest, num_params)))
+    state.add(KEY_META, RunMeta(fingerprint(cfg, manifest, num_params, model_id(cfg.model))))
     loaded, keys = Checkpointer(run_root(cfg)).restore(
         state, [step_path(run_root(cfg), step)], lambda path, reason: pytest.fail(f"{path}: {reason}")
     )

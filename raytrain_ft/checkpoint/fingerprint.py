@@ -15,12 +15,14 @@ from raytrain_ft.run_folder import step_of
 from raytrain_ft.schedule import extension_refusal
 
 
-def fingerprint(cfg: Config, manifest: Manifest, num_params: int) -> dict:
-    """What must match between a checkpoint and the run resuming it: model shape, data, data order and
-    LR schedule (a changed seed would re-permute a half-consumed epoch; a changed max_steps would
-    stretch a cosine already half done). To train a wsd run further: `raytrain-ft extend` (raytrain_ft.schedule)."""
+def fingerprint(cfg: Config, manifest: Manifest, num_params: int, model: dict) -> dict:
+    """What must match between a checkpoint and the run resuming it: the network (`model`:
+    `raytrain_ft.model.causal_lm.model_id`, a preset's name or an hf_config's type and digest) and its
+    size, data, data order and LR schedule (a changed seed would re-permute a half-consumed epoch; a
+    changed max_steps would stretch a cosine already half done). To train a wsd run further:
+    `raytrain-ft extend` (raytrain_ft.schedule)."""
     return {
-        "model.preset": cfg.model.preset,
+        **model,
         "num_params": num_params,
         "vocab_size": manifest.vocab_size,
         "seq_len": manifest.seq_len,

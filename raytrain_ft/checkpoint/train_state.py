@@ -215,22 +215,30 @@ PRE_SCHEDULE_FINGERPRINT = {"train.lr_schedule": "cosine", "train.decay_steps": 
 
 @dataclass
 class RunMeta:
-    """What must match between a checkpoint and the run loading it, plus the MLflow run id and the
-    fingerprint's history: one `{"at_step", "from_max_steps", "max_steps"}` per extension of the run
+    """What must match between a checkpoint and the run loading it, plus the MLflow run id, the
+    network's `transformers` config (what `raytrain-ft export` writes back) and the fingerprint's
+    history: one `{"at_step", "from_max_steps", "max_steps"}` per extension of the run
     (`raytrain_ft.schedule.extension_refusal`), oldest first."""
 
     fingerprint: dict
     mlflow_run_id: str = ""
     history: list[dict] = field(default_factory=list)
+    model_config: dict = field(default_factory=dict)  # the network's `transformers` config (`to_dict()`), for export
 
     def state_dict(self) -> dict:
-        meta = {"fingerprint": self.fingerprint, "mlflow_run_id": self.mlflow_run_id, "history": self.history}
+        meta = {
+            "fingerprint": self.fingerprint,
+            "mlflow_run_id": self.mlflow_run_id,
+            "history": self.history,
+            "model_config": self.model_config,
+        }
         return {"json": json.dumps(meta)}
 
     def load_state_dict(self, state: dict) -> None:
         d = json.loads(state["json"])
         self.fingerprint = {**PRE_SCHEDULE_FINGERPRINT, **d["fingerprint"]}
         self.mlflow_run_id, self.history = d["mlflow_run_id"], d.get("history", [])
+        self.model_config = d.get("model_config", {})
 
 
 class TrainState:

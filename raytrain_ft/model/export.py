@@ -1,14 +1,16 @@
 """Export a checkpoint as a Hugging Face model folder that `transformers` loads as it is.
 
-`export_checkpoint(checkpoint, out_dir, data_path)` writes what `LlamaForCausalLM.save_pretrained`
-and a tokenizer's `save_pretrained` write:
+`export_checkpoint(checkpoint, out_dir, data_path)` writes what the trained network's
+`save_pretrained` (`LlamaForCausalLM` for a preset, the `hf_config`'s own class otherwise) and a
+tokenizer's `save_pretrained` write:
 
-- `config.json`: `raytrain_ft.model.llama.model_config` of the run's preset, vocabulary and sequence
-  length (from the checkpoint's `RunMeta` fingerprint), dropout 0 (an inference model), BOS = EOS =
+- `config.json`: the network's `transformers` config as trained (the checkpoint's
+  `RunMeta.model_config`: a preset's Llama shape, vocabulary and sequence length with dropout 0,
+  or the `hf_config`'s own architecture), BOS = EOS =
   the dataset's end-of-document token (documents are packed with one EOS after each, so EOS is also
   what precedes a document: GPT-2's convention);
 - `generation_config.json`: the same token ids, EOS as the padding token;
-- the weights as safetensors, keys as `LlamaForCausalLM.state_dict()`: one `model.safetensors`, or
+- the weights as safetensors, keys as the network's `state_dict()`: one `model.safetensors`, or
   `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json` when they exceed
   `max_shard_size` (huggingface_hub's `split_state_dict_into_shards_factory`, which `save_pretrained`
   uses too);
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import fsspec
 import torch
@@ -32,7 +35,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from raytrain_ft.checkpoint.integrity import verify_checkpoint
 from raytrain_ft.checkpoint.reader import CheckpointReader
-from raytrain_ft.checkpoint.train_state import KEY_MODEL
+from raytrain_ft.checkpoint.train_state import KEY_MODEL, RunMeta
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.errors import CheckpointError, DataError, UserError
 from raytrain_ft.run_folder import complete_steps, step_path
@@ -57,6 +60,7 @@ class Export:
         mlflow_run_id: the MLflow run that trained it (from the checkpoint's `RunMeta`; "" if none).
         weight_files: the safetensors files, in order.
         total_bytes: bytes of all weights as written.
+        architecture: the network's causal-LM class in `transformers` (`LlamaForCausalLM`, `Qwen2ForCausalLM`, ...).
         bound_bytes: the memory bound of this export (see `export_checkpoint`): its largest weight file
             plus twice its largest tensor as saved, plus `FIXED_BYTES`.
     """
@@ -68,11 +72,12 @@ class Export:
     weight_files: list[str]
     total_bytes: int
     bound_bytes: int
+    architecture: str
 
 
 def check_complete(checkpoint: str, metadata: Metadata, expected: dict[str, torch.Size]) -> None:
-    """Before converting: every weight of the model (`expected`: name -> shape, as
-    `LlamaForCausalLM.state_dict()`) is in the checkpoint with that shape, and nothing else is under
+    """Before converting: every weight of the model (`expected`: name -> shape, as the network's
+    `state_dict()`) is in the checkpoint with that shape, and nothing else is under
     `model.`. That the bytes are there and intact (a truncated or missing file) is `verify_checkpoint`'s
     check, run before this one.
 
@@ -151,7 +156,7 @@ def export_checkpoint(
             f"the dataset at {data_path} is not the one checkpoint {checkpoint} trained on (data fingerprint "
             f"{manifest.fingerprint[:12]} vs {fp['data.fingerprint'][:12]}); pass the run's data.path"
         )
-    config = _hf_config(fp, manifest.eos_token_id, DTYPES[dtype])
+    config = _hf_config(meta, manifest.eos_token_id, DTYPES[dtype])
     expected = _expected_shapes(config)
     damaged = verify_checkpoint(checkpoint, components=False)  # checksums of every stored byte
     if damaged:
@@ -204,25 +209,37 @@ def export_checkpoint(
         files,
         sum(sizes.values()),
         largest_file + 2 * largest_saved + FIXED_BYTES,
+        config.architectures[0],
     )
 
 
-def _hf_config(fp: dict, eos_id: int, dtype: torch.dtype):
-    from raytrain_ft.model.llama import model_config
+def _hf_config(meta: RunMeta, eos_id: int, dtype: torch.dtype):
+    """The trained network's `transformers` config (the checkpoint's `RunMeta.model_config`; a
+    checkpoint that predates it: its preset's), naming its causal-LM class as the architecture, with
+    the dataset's end-of-document token as BOS and EOS and `dtype` as the weights' dtype."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
-    config = model_config(fp["model.preset"], fp["vocab_size"], fp["seq_len"], dropout=0.0)
-    config.architectures = ["LlamaForCausalLM"]
+    from raytrain_ft.model.causal_lm import model_config
+
+    fp = meta.fingerprint
+    if meta.model_config:
+        fields = dict(meta.model_config)
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    else:
+        config = model_config(fp["model.preset"], fp["vocab_size"], fp["seq_len"])
+    causal_lm: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    config.architectures = [causal_lm.__name__]
     config.bos_token_id = config.eos_token_id = eos_id
     config.dtype = dtype
     return config
 
 
 def _expected_shapes(config) -> dict[str, torch.Size]:
-    """name -> shape of `LlamaForCausalLM.state_dict()` for `config`, built on the meta device (no memory)."""
-    from transformers import LlamaForCausalLM
+    """name -> shape of the causal LM's `state_dict()` for `config`, built on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     return {k: v.shape for k, v in model.state_dict().items()}
 
 
@@ -325,7 +342,7 @@ def register(export: Export, name: str, tracking_uri: str):
         name=f"hf-step-{export.step}",
         source_run_id=run.info.run_id,
         tags={"format": "huggingface-transformers", "checkpoint": export.checkpoint},
-        model_type="LlamaForCausalLM",
+        model_type=export.architecture,
     )
     client.log_model_artifacts(model.model_id, export.out_dir)
     client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)

@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
-from raytrain_ft.config import Config
+from raytrain_ft.config import Config, ModelSection
 from raytrain_ft.errors import ConfigError
+from raytrain_ft.model.causal_lm import build_model, decoder_layers, model_name
 from raytrain_ft.model.hardware import device_memory_gib
-from raytrain_ft.model.llama import build_model, model_config
 from raytrain_ft.model.parallel import mesh_shape, resolve_strategy
 
 GIB = 1024**3
@@ -85,7 +86,7 @@ def shard_numel(shape: torch.Size, shards: int, rank: int = 0) -> int:
 
 
 def plan(
-    preset: str,
+    model: ModelSection | str,
     vocab_size: int,
     seq_len: int,
     micro_batch_size: int,
@@ -97,7 +98,9 @@ def plan(
     gpu: bool = True,
     rank: int = 0,
 ) -> MemoryPlan:
-    """Memory of one device (rank `rank`; rank 0 holds the largest shards) training `preset`.
+    """Memory of one device (rank `rank`; rank 0 holds the largest shards) training `model` (a
+    `ModelSection`: a preset or any hf_config's architecture, its real parameters' shapes; or a
+    preset's name).
 
     Args:
         strategy: `ddp`, `fsdp` or `hsdp` (resolved, not `auto`).
@@ -110,28 +113,26 @@ def plan(
         a `MemoryPlan` in bytes.
     """
     with torch.device("meta"):
-        model = build_model(preset, vocab_size, seq_len, 0.0)
+        network = build_model(model, vocab_size, seq_len)
     shards, shard_rank = (1, 0) if strategy == "ddp" else (shard_size, rank % shard_size)
-    shapes = [p.shape for p in model.parameters()]
+    shapes = [p.shape for p in network.parameters()]
     local = sum(shard_numel(s, shards, shard_rank) for s in shapes)
     params = grads = 4 * local
     optimizer = ADAMW_MOMENTS * 4 * local + STEP_BYTES * len(shapes)
     compute_bytes = 2 if gpu else 4
+    layers = decoder_layers(network)
     if strategy == "ddp":
         buffers = grads
     else:
-        layers = model.model.layers
         layer = sum(p.numel() for p in layers[0].parameters())
-        root = sum(p.numel() for p in model.parameters()) - layer * len(layers)
+        root = sum(p.numel() for p in network.parameters()) - layer * len(layers)
         buffers = compute_bytes * (root + 2 * layer) + 4 * layer
-    cfg = model_config(preset, vocab_size, seq_len, 0.0)
-    sbh = seq_len * micro_batch_size * cfg.hidden_size
+    config: Any = network.config
+    sbh = seq_len * micro_batch_size * config.hidden_size
     scale = compute_bytes / 2  # the formula counts 16-bit activations
     full_layer = KORTHIKANTI_PER_LAYER * sbh * scale
-    if activation_checkpointing:
-        layer_acts = 2 * sbh * scale * cfg.num_hidden_layers + full_layer
-    else:
-        layer_acts = full_layer * cfg.num_hidden_layers
+    # with checkpointing: every layer's input kept, one layer's activations recomputed at a time
+    layer_acts = 2 * sbh * scale * len(layers) + full_layer if activation_checkpointing else full_layer * len(layers)
     logits = seq_len * micro_batch_size * vocab_size * (compute_bytes + 4 + 4)
     return MemoryPlan(
         params=params,
@@ -157,7 +158,7 @@ def plan_config(cfg: Config, vocab_size: int, seq_len: int, world_size: int | No
         strategy, world_size, cfg.parallel.shard_size or min(cfg.scaling.gpus_per_node, world_size)
     )
     return plan(
-        cfg.model.preset,
+        cfg.model,
         vocab_size,
         seq_len,
         cfg.train.micro_batch_size,
@@ -180,7 +181,7 @@ def check_fits(cfg: Config, vocab_size: int, seq_len: int) -> MemoryPlan:
     if not p.fits:
         strategy = resolve_strategy(cfg.parallel, cfg.scaling.use_gpu)
         raise ConfigError(
-            f"model.preset={cfg.model.preset} with parallel.strategy={strategy} needs about "
+            f"{model_name(cfg.model)} with parallel.strategy={strategy} needs about "
             f"{p.device_total / GIB:.1f} GiB per GPU (parameters {p.params / GIB:.1f}, gradients {p.grads / GIB:.1f}, "
             f"optimizer {p.optimizer / GIB:.1f}, buffers {p.buffers / GIB:.1f}, activations {p.activations / GIB:.1f}) "
             f"but a {cfg.scaling.gpu_type} has {p.device_memory / GIB:.0f} GiB ({HEADROOM:.0%} usable); use "

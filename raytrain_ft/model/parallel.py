@@ -52,7 +52,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from raytrain_ft.config import Config, ParallelSection
 from raytrain_ft.errors import ConfigError
-from raytrain_ft.model.llama import build_model, lm_loss
+from raytrain_ft.model.causal_lm import build_model, decoder_layers, lm_loss
 
 
 def resolve_strategy(p: ParallelSection, use_gpu: bool) -> str:
@@ -175,9 +175,9 @@ def build(
     shard_size = cfg.parallel.shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     replicas, shard_size = mesh_shape(strategy, world_size, shard_size)
     with torch.device("meta"):
-        model = build_model(cfg.model.preset, vocab_size, seq_len, cfg.model.dropout)
+        model = build_model(cfg.model, vocab_size, seq_len)
+    layers = decoder_layers(model)  # the architecture's own block: FSDP2's unit, checkpointing's too
     if cfg.parallel.activation_checkpointing:
-        layers = model.model.layers
         for i, layer in enumerate(layers):
             layers[i] = checkpoint_wrapper(layer)
     mixed = device.type == "cuda"
@@ -196,7 +196,7 @@ def build(
             mesh = init_device_mesh(device.type, (shard_size,), mesh_dim_names=("shard",))
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
         kwargs: dict[str, Any] = {"mesh": mesh, **({"mp_policy": policy} if policy else {})}
-        for layer in model.model.layers:
+        for layer in layers:
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
         materialize(model, seed, device)
@@ -231,26 +231,33 @@ def settle_buckets(par: Parallel, seq_len: int, device: torch.device) -> None:
 
 @torch.no_grad()
 def materialize(model: torch.nn.Module, seed: int | None, device: torch.device) -> None:
-    """Allocate a meta-built (possibly sharded) model on `device` and initialise it as HF Llama
-    does (norm weights 1, every other weight normal(0, `initializer_range`)), one parameter at a
-    time; `seed` None: leave the parameters uninitialised (a checkpoint load follows).
+    """Allocate a meta-built (possibly sharded) model on `device` and initialise it as `transformers`
+    initialises its decoder LMs (normalisation weights 1, biases 0, every other weight
+    normal(0, `initializer_range`)), one parameter at a time; `seed` None: leave the parameters
+    uninitialised (a checkpoint load follows).
 
-    Each parameter's full tensor is drawn from one generator seeded with `seed`, in parameter order,
-    and a sharded parameter (`DTensor`) keeps this rank's shard of it, so the weights do not depend
-    on the strategy, the world size or the mesh. The rotary embedding's buffers (not parameters,
-    not in checkpoints) are computed again.
+    Each drawn parameter's full tensor comes from one generator seeded with `seed`, in parameter
+    order, and a sharded parameter (`DTensor`) keeps this rank's shard of it, so the weights do not
+    depend on the strategy, the world size or the mesh. The rotary embeddings' buffers (not
+    parameters, not in checkpoints) are computed again (every `*RotaryEmbedding` of `transformers`
+    is built from the model's config).
     """
     model.to_empty(device=device)
-    model.model.rotary_emb = type(model.model.rotary_emb)(model.config).to(device)
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if type(child).__name__.endswith("RotaryEmbedding"):
+                setattr(parent, name, type(child)(model.config).to(device))
     if seed is None:
         return
     generator = torch.Generator(device).manual_seed(seed)
-    config: Any = model.config  # transformers' LlamaConfig
+    config: Any = model.config
     std = config.initializer_range
     for name, p in model.named_parameters():
         full = torch.empty(p.shape, device=device)
         if name.endswith("norm.weight"):
             full.fill_(1.0)
+        elif name.endswith(".bias"):
+            full.zero_()
         else:
             full.normal_(0.0, std, generator=generator)
         p.copy_(

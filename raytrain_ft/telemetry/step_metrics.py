@@ -14,7 +14,7 @@ rank prints its skips.
 Step time (seconds) runs from `before_step` to `after_optimizer_step`: batch read, forward/backward,
 clip, guard, optimizer (checkpoint stalls included; a validation, the save and the guards' checks
 after the update are not). MFU = FLOPs per token x tokens/s / (peak FLOP/s per device x the step's devices)
-(`raytrain_ft.model.llama.flops_per_token`: PaLM, Appendix B; peak from `raytrain_ft.model.hardware`).
+(`raytrain_ft.model.causal_lm.flops_per_token`: PaLM, Appendix B; peak from `raytrain_ft.model.hardware`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import torch
 from raytrain_ft.config import Config
 from raytrain_ft.data.position import BatchPlan, DataPosition
 from raytrain_ft.hooks import StepHook, StepResult
+from raytrain_ft.model.causal_lm import flops_per_token
 from raytrain_ft.model.hardware import peak_flops_per_device
-from raytrain_ft.model.llama import flops_per_token
 from raytrain_ft.resilience.guards import SpikeGuard
 from raytrain_ft.telemetry.recorder import Recorder
 
@@ -98,7 +98,7 @@ class StepMetrics(StepHook):
     def log_step(self, r: StepResult, step_time: float) -> None:
         tokens_per_s = self.plan.global_batch_size * self.seq_len / step_time
         throughput = {"tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / r.devices}
-        if self.peak_flops:
+        if self.peak_flops and self.flops_per_token is not None:  # None: a mixture of experts
             throughput["mfu"] = self.flops_per_token * tokens_per_s / (self.peak_flops * r.devices)
         self.recorder.record_step(
             r.step,

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from raytrain_ft.checkpoint.train_state import KEY_MODEL, KEY_OPTIM, ModelState, OptimizerState, TrainState
 from raytrain_ft.config import load_config
-from raytrain_ft.model.llama import lm_loss
+from raytrain_ft.model.causal_lm import lm_loss
 from raytrain_ft.model.parallel import build, local
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)

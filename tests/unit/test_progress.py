@@ -8,7 +8,7 @@ import torch
 from raytrain_ft.config import load_config
 from raytrain_ft.data.position import BatchPlan, DataPosition
 from raytrain_ft.hooks import StepResult
-from raytrain_ft.model.llama import build_model
+from raytrain_ft.model.causal_lm import build_model
 from raytrain_ft.resilience.guards import SpikeGuard
 from raytrain_ft.telemetry.recorder import NullRecorder
 from raytrain_ft.telemetry.step_metrics import StepMetrics, eta_seconds, progress_line
@@ -37,7 +37,7 @@ def test_throughput_per_device_divides_by_the_devices_that_trained_the_step():
     """Under replica recovery the trainer's world size is 1 (a replica group of one) while the step's
     participants trained it: per-device throughput divides by those (`StepResult.devices`)."""
     cfg = load_config(None, ["train.global_batch_size=8", "train.micro_batch_size=2"])
-    model = build_model("tiny", 512, 32, 0.0)
+    model = build_model("tiny", 512, 32)
     scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD(model.parameters(), lr=1.0), lambda s: 1.0)
     recorder = StepRecords()
     metrics = StepMetrics(
