@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import ipaddress
+import json
 import os
 import re
 import shutil
@@ -65,6 +66,17 @@ def test_missing_dataset_is_one_line_error(tmp_path, dataset):
     assert r.stderr.strip().splitlines() == [
         f"error: no prepared dataset at {tmp_path / 'nowhere'} (manifest.json missing); run "
         f"`python jobs/prepare_data.py --output {tmp_path / 'nowhere'}` or set data.path"
+    ]
+
+
+def test_a_model_config_that_is_not_a_causal_lm_is_one_line_error(tmp_path, dataset):
+    t5 = tmp_path / "t5.json"
+    t5.write_text(json.dumps({"model_type": "t5", "vocab_size": 512, "d_model": 64}))
+    r = pretrain(*run_args(tmp_path, dataset, f"model.hf_config={t5}"))
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"error: config key 'model.hf_config': {t5} is a t5 config, which AutoModelForCausalLM does not build; "
+        "give a decoder-only causal LM (qwen2, mistral, gpt_neox, ...)"
     ]
 
 
