@@ -39,7 +39,7 @@ def arch_config(tmp_path, dataset, arch: str, *overrides: str):
     )
 
 
-# every shipped architecture under DDP, and one under FSDP2 (its own decoder block is the unit it shards)
+# every shipped architecture under DDP, and two under FSDP2 (its own decoder block is the unit it shards)
 @pytest.mark.parametrize(
     "arch, strategy, cls",
     [
@@ -47,6 +47,7 @@ def arch_config(tmp_path, dataset, arch: str, *overrides: str):
         ("mistral-tiny", "ddp", "MistralForCausalLM"),
         ("gpt-neox-tiny", "ddp", "GPTNeoXForCausalLM"),
         ("olmo2-tiny", "fsdp", "Olmo2ForCausalLM"),
+        ("gpt-neox-tiny", "fsdp", "GPTNeoXForCausalLM"),  # another module tree (gpt_neox.layers), LayerNorm biases
     ],
 )
 def test_a_shipped_architecture_trains_and_a_kill_resumes_bitwise(tmp_path, dataset, arch, strategy, cls):
