@@ -20,10 +20,14 @@ import argparse
 import json
 import os
 import sys
+import typing
 from collections.abc import Sequence
 from dataclasses import asdict
 
 from raytrain_ft.checkpoint import interval
+
+if typing.TYPE_CHECKING:
+    from raytrain_ft.config import Config
 
 RUN_HELP = "a run folder (run.storage_path/run.name), an MLflow run id, or a run name (raytrain_ft.run_resolver)"
 
@@ -312,13 +316,35 @@ def _plan_memory(args: argparse.Namespace) -> int:
     )
     table.add_row("checkpoint staging (pinned host memory per node)", f"{p.staging_per_node / memory.GIB:.2f}")
     Console(width=120).print(table)
+    print(flops_line(cfg, args.vocab_size, seq_len))
     print("fits" if p.fits else "does not fit")
     return 0 if p.fits else 1
+
+
+def flops_line(cfg: Config, vocab_size: int, seq_len: int) -> str:
+    """MFU's numerator for the config's network (`causal_lm.flops_per_token`, built on the meta
+    device): `training FLOPs per token: 6·N + 12·L·h·s = ...`, or why a mixture of experts has none."""
+    import torch
+
+    from raytrain_ft.model.causal_lm import build_model, flops_per_token
+
+    with torch.device("meta"):
+        model: typing.Any = build_model(cfg.model, vocab_size, seq_len)
+    flops = flops_per_token(model, seq_len)
+    if flops is None:
+        return "training FLOPs per token: none (a mixture of experts: MFU is not reported)"
+    c = model.config
+    n = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    return (
+        f"training FLOPs per token (MFU's numerator, PaLM App. B): 6·N + 12·L·h·s = 6·{n / 1e9:.2f}e9 + "
+        f"12·{c.num_hidden_layers}·{c.hidden_size}·{seq_len} = {flops:.3e}"
+    )
 
 
 # plan-memory flag (argparse dest) -> config key
 MEMORY_FLAGS = {
     "preset": "model.preset",
+    "hf_config": "model.hf_config",
     "strategy": "parallel.strategy",
     "shard_size": "parallel.shard_size",
     "micro_batch_size": "train.micro_batch_size",
@@ -339,6 +365,7 @@ def _add_plan_memory(subparsers) -> None:
     )
     p.add_argument("--config", default=None, help="a run config YAML (e.g. configs/gpu-7b.yaml)")
     p.add_argument("--preset", default=None, help="model preset (tiny, small, 125m, 1b, 7b, 70b)")
+    p.add_argument("--hf-config", default=None, help="a Hugging Face config.json (or folder) of any causal LM")
     p.add_argument("--strategy", default=None, help="ddp, fsdp or hsdp")
     p.add_argument("--world-size", type=int, default=None, help="GPUs in the job (default: the config's minimum)")
     p.add_argument("--shard-size", type=int, default=None, help="hsdp: GPUs per shard group")

@@ -50,6 +50,7 @@ class DataSection:
 class ModelSection:
     preset: str = "tiny"  # tiny | small | 125m | 1b | 7b | 70b: a Llama shape (raytrain_ft.model.causal_lm.PRESETS)
     hf_config: str = ""  # a Hugging Face config.json (or its folder) of any causal LM; set, it replaces preset
+    init_from: str = ""  # a Hugging Face model folder (config, safetensors, tokenizer): step 0 starts from its weights
     dropout: float = 0.0  # a preset's attention dropout probability; > 0 makes the RNG state matter
 
 

@@ -8,7 +8,7 @@ checked by `raytrain_ft.config.load_config` before it is called; here come
 - the batch split at every world size of `scaling.num_workers` (`BatchPlan`) and the HSDP mesh;
 - that `failure.recovery: replica` has what it needs (fixed workers, ddp, torchft);
 - the dataset's manifest (when `data.path` is reachable) against `train.seq_len`, the batch and
-  the model preset;
+  the model (preset or config), and a `model.init_from` folder's weights and tokenizer;
 - the memory plan on the configured `scaling.gpu_type` (GPU runs);
 - that the waits' bounds can work together (`raytrain_ft.resilience.waits.conflicts`);
 - that `run.storage_path` is reachable and writable (a probe file is written and removed);
@@ -43,6 +43,7 @@ from raytrain_ft.errors import CheckpointError, ConfigError, UserError
 from raytrain_ft.model.causal_lm import model_config
 from raytrain_ft.model.memory import check_fits, plan_config
 from raytrain_ft.model.parallel import mesh_shape, resolve_strategy
+from raytrain_ft.model.pretrained import check_init_from
 from raytrain_ft.resilience.waits import conflicts
 from raytrain_ft.run_folder import (
     RAY_RUN_STATE,
@@ -95,6 +96,8 @@ def problems(cfg: Config, cluster: dict[str, float] | None = None) -> list[UserE
     storage_ok = check(lambda: check_writable(cfg.run.storage_path))
     if storage_ok and check(lambda: check_run_state(root)) and manifest:
         check(lambda: check_checkpoint_compatible(cfg, manifest[0], root))
+    if manifest and not (storage_ok and newest_checkpoint(root)):  # a resume does not read the weights
+        check(lambda: check_init_from(cfg.model, cfg.data.path, manifest[0]))
     return found
 
 

@@ -51,6 +51,7 @@ from raytrain_ft.data.position import BatchPlan, DataPosition
 from raytrain_ft.hooks import StepHooks
 from raytrain_ft.model.causal_lm import model_id
 from raytrain_ft.model.parallel import build
+from raytrain_ft.model.pretrained import weights_sha256
 from raytrain_ft.resilience.faults import FaultInjector
 from raytrain_ft.resilience.guards import RankChecks, RollbackLog, SpikeGuard
 from raytrain_ft.resilience.preemption import Preemption
@@ -92,6 +93,14 @@ def straggler_hooks(
     return monitor, rebalance
 
 
+def init_source(folder: str) -> str:
+    """`<folder> sha256:<hex>` of a `model.init_from` folder's weights (`weights_sha256`), read by
+    rank 0 and given to every rank (the fingerprint is alike on every rank)."""
+    found = [f"{folder} sha256:{weights_sha256(folder)}" if dist.get_rank() == 0 else ""]
+    dist.broadcast_object_list(found, src=0)
+    return found[0]
+
+
 class RunComponents:
     """One rank's run components (module doc), built by the constructor."""
 
@@ -128,6 +137,8 @@ class RunComponents:
         pickled = {KEY_SCHEDULER: self.scheduler, KEY_PROGRESS: self.progress, KEY_DATA: self.position}
         pickled |= {KEY_GUARDS: self.guard, KEY_ROLLBACKS: self.rollbacks}
         fp = fingerprint(cfg, self.manifest, num_params, model_id(cfg.model))
+        if cfg.model.init_from and latest is None:  # step 0 of continued pretraining: its source, once
+            fp["model.init_from"] = init_source(cfg.model.init_from)
         config: Any = self.par.model.config  # the network's `transformers` config
         meta = RunMeta(fp, session.mlflow_run_id, model_config=json.loads(config.to_json_string()))
         self.state = run_state(

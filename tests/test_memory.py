@@ -76,6 +76,20 @@ def test_shipped_gpu_configs_fit_their_node_type(name):
     assert main(["plan-memory", "--config", os.path.join(REPO, "configs", f"{name}.yaml")]) == 0
 
 
+def test_a_7b_mistral_config_is_planned_from_its_own_parameters(capsys):
+    """Mistral-7B's shape (configs/models/mistral-7b: grouped-query attention, an FFN of 14,336): the
+    memory plan and MFU's FLOPs per token come from its 7.24e9 parameters, not the 7b preset's 6.74e9."""
+    config = os.path.join(REPO, "configs", "gpu-7b.yaml")
+    assert (
+        main(["plan-memory", "--config", config, "--hf-config", os.path.join(REPO, "configs", "models", "mistral-7b")])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "model.hf_config=" in out and "6·7.11e9 + 12·32·4096·2048 = 4.589e+10" in out, out
+    assert main(["plan-memory", "--config", config]) == 0
+    assert "6·6.61e9 + 12·32·4096·2048 = 4.287e+10" in capsys.readouterr().out
+
+
 def test_a_ddp_7b_config_is_refused_in_one_line(capsys):
     cfg = load_config(os.path.join(REPO, "configs", "gpu-7b.yaml"), ["parallel.strategy=ddp"])
     with pytest.raises(ConfigError) as e:

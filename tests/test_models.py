@@ -6,18 +6,28 @@ causal LM, or disagrees with the dataset, is one line at `raytrain-ft check`."""
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import json
 import os
+import shutil
 
+import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from conftest import REPO, assert_resumed, assert_same_state, final_state, make_config, run_root
-from local_run import local_run
+from conftest import REPO, assert_resumed, assert_same_state, final_state, make_config, metric_by_step, run_root
+from local_run import LocalRunFailed, local_run
 from raytrain_ft.checkpoint.reader import CheckpointReader, load_model_state_dict
 from raytrain_ft.cli import main
+from raytrain_ft.config import from_dict, to_dict
+from raytrain_ft.data.manifest import load_manifest
+from raytrain_ft.data.order import EpochOrder
 from raytrain_ft.model.causal_lm import build_model
+from raytrain_ft.model.parallel import build
 from raytrain_ft.run_folder import step_path
 
 STEPS = 10
@@ -39,15 +49,15 @@ def arch_config(tmp_path, dataset, arch: str, *overrides: str):
     )
 
 
-# every shipped architecture under DDP, and two under FSDP2 (its own decoder block is the unit it shards)
+# every shipped architecture under DDP and under FSDP2 (its own decoder block is the unit it shards)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 @pytest.mark.parametrize(
-    "arch, strategy, cls",
+    "arch, cls",
     [
-        ("qwen2-tiny", "ddp", "Qwen2ForCausalLM"),
-        ("mistral-tiny", "ddp", "MistralForCausalLM"),
-        ("gpt-neox-tiny", "ddp", "GPTNeoXForCausalLM"),
-        ("olmo2-tiny", "fsdp", "Olmo2ForCausalLM"),
-        ("gpt-neox-tiny", "fsdp", "GPTNeoXForCausalLM"),  # another module tree (gpt_neox.layers), LayerNorm biases
+        ("qwen2-tiny", "Qwen2ForCausalLM"),
+        ("mistral-tiny", "MistralForCausalLM"),
+        ("gpt-neox-tiny", "GPTNeoXForCausalLM"),  # another module tree (gpt_neox.layers), LayerNorm biases
+        ("olmo2-tiny", "Olmo2ForCausalLM"),
     ],
 )
 def test_a_shipped_architecture_trains_and_a_kill_resumes_bitwise(tmp_path, dataset, arch, strategy, cls):
@@ -71,14 +81,24 @@ def test_a_shipped_architecture_trains_and_a_kill_resumes_bitwise(tmp_path, data
     assert type(built).__name__ == cls
 
 
-@pytest.mark.usefixtures("ray_local")
-@torch.no_grad()
-def test_the_export_of_a_qwen2_run_loads_as_qwen2_with_the_training_models_logits(tmp_path, dataset, process_group):
-    cfg = arch_config(tmp_path, dataset, "qwen2-tiny")
+@pytest.fixture(scope="module")
+def qwen2_export(tmp_path_factory, dataset) -> str:
+    """A finished Qwen2 run (`STEPS`) exported by `raytrain-ft export`: the folder (config, safetensors,
+    tokenizer); the run's config is in its parent's `cfg.json`."""
+    root = tmp_path_factory.mktemp("qwen2-export")
+    cfg = arch_config(root, dataset, "qwen2-tiny")
     local_run(cfg)
-    out = tmp_path / "hf"
+    out = root / "hf"
     assert main(["export", cfg.run.name, "--out", str(out), "--tracking-uri", cfg.tracking.uri]) == 0
-    hf = AutoModelForCausalLM.from_pretrained(out)
+    (root / "cfg.json").write_text(json.dumps(to_dict(cfg)))
+    return str(out)
+
+
+@torch.no_grad()
+def test_the_export_of_a_qwen2_run_loads_as_qwen2_with_the_training_models_logits(qwen2_export, process_group):
+    with open(os.path.join(os.path.dirname(qwen2_export), "cfg.json")) as f:
+        cfg = from_dict(json.load(f))
+    hf = AutoModelForCausalLM.from_pretrained(qwen2_export)
     assert type(hf).__name__ == "Qwen2ForCausalLM"
     weights = load_model_state_dict(step_path(run_root(cfg), STEPS))  # the run's last checkpoint
     assert weights.keys() == hf.state_dict().keys()
@@ -89,12 +109,69 @@ def test_the_export_of_a_qwen2_run_loads_as_qwen2_with_the_training_models_logit
     assert torch.equal(hf(input_ids=inputs).logits, ours(input_ids=inputs).logits)
 
 
-def check(tmp_path, dataset, capsys, hf_config: str) -> str:
-    local = [f"data.path={dataset}", f"run.storage_path={tmp_path / 'runs'}", f"tracking.uri=sqlite:///{tmp_path}/m.db"]
-    assert (
-        main(["check", "--config", os.path.join(REPO, "configs", "tiny.yaml"), *local, f"model.hf_config={hf_config}"])
-        != 0
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_continued_pretraining_builds_the_folders_weights_at_step_0(
+    tmp_path, dataset, qwen2_export, process_group, strategy
+):
+    cfg = make_config(tmp_path, dataset, f"model.init_from={qwen2_export}", f"parallel.strategy={strategy}")
+    par, _ = build(cfg, 512, 32, torch.device("cpu"), resuming=False)
+    built = get_model_state_dict(par.model, options=StateDictOptions(full_state_dict=True))
+    folder = load_file(os.path.join(qwen2_export, "model.safetensors"))
+    assert built.keys() == folder.keys()
+    assert all(torch.equal(built[k], v) for k, v in folder.items())
+
+
+def weights_digest(folder: str) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        digest.update(os.path.basename(path).encode())
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()
+
+
+@torch.no_grad()
+def test_continued_pretraining_starts_at_the_folders_loss_and_a_resume_never_reads_its_weights(
+    tmp_path, dataset, qwen2_export
+):
+    folder = str(tmp_path / "from")
+    shutil.copytree(qwen2_export, folder)
+    source = f"{folder} sha256:{weights_digest(folder)}"
+    reference = make_config(
+        tmp_path / "ref", dataset, "run.name=cpt", f"model.init_from={folder}", f"train.max_steps={STEPS}"
     )
+    ref_run = local_run(reference)
+    # step 1's loss is the folder's model's loss, as transformers computes it, on step 1's global batch
+    m = load_manifest(dataset)
+    order = EpochOrder(dataset, m, 0, 0, 8, 2)
+    lanes = list(range(order.num_lanes))
+    passes = order.micro_batches(lanes, 0, 1, [order.read(order.pieces(lanes, 0, 1))])
+    tokens = torch.from_numpy(np.concatenate([mb["tokens"] for mb in passes]))
+    hf = AutoModelForCausalLM.from_pretrained(qwen2_export).eval()
+    expected = hf(input_ids=tokens, labels=tokens).loss.item()
+    assert metric_by_step(reference, ref_run, "train/loss")[1] == pytest.approx(expected, rel=1e-6, abs=0)
+    assert CheckpointReader(step_path(run_root(reference), STEPS)).run_meta().fingerprint["model.init_from"] == source
+
+    # killed after step 5's commit with no restart left; then the weights leave the folder, and the
+    # resubmission resumes from step 5 without them, bitwise equal to the uninterrupted run
+    killed = [f"model.init_from={folder}", f"train.max_steps={STEPS}", "run.name=cpt"]
+    with pytest.raises(LocalRunFailed):
+        local_run(make_config(tmp_path / "killed", dataset, *killed, KILL, "failure.max_failures=0"))
+    for path in glob.glob(os.path.join(folder, "*.safetensors")):
+        os.remove(path)
+    resumed = make_config(tmp_path / "killed", dataset, *killed)
+    run_id = local_run(resumed)
+    assert_resumed(resumed.tracking.uri, run_id, [0, 5])
+    assert_same_state(final_state(resumed, STEPS), final_state(reference, STEPS))
+    # the source stays in the fingerprint of every checkpoint after step 0, though the resume never read it
+    assert CheckpointReader(step_path(run_root(resumed), STEPS)).run_meta().fingerprint["model.init_from"] == source
+
+
+def check(tmp_path, dataset, capsys, hf_config: str, *overrides: str) -> str:
+    """The last line `raytrain-ft check` prints for the tiny config with `model.hf_config` (if any) and `overrides`."""
+    local = [f"data.path={dataset}", f"run.storage_path={tmp_path / 'runs'}", f"tracking.uri=sqlite:///{tmp_path}/m.db"]
+    args = [*local, *([f"model.hf_config={hf_config}"] if hf_config else []), *overrides]
+    assert main(["check", "--config", os.path.join(REPO, "configs", "tiny.yaml"), *args]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     return err[-1]
 
@@ -126,3 +203,40 @@ def test_a_config_that_is_not_a_causal_lm_or_disagrees_with_the_dataset_is_one_l
 def test_a_missing_config_is_one_line(tmp_path, dataset, capsys):
     line = check(tmp_path, dataset, capsys, str(tmp_path / "nowhere"))
     assert "cannot read" in line and "config.json" in line, line
+
+
+def init_from_folder(tmp_path, qwen2_export, damage) -> str:
+    folder = tmp_path / f"from-{len(os.listdir(tmp_path))}"
+    shutil.copytree(qwen2_export, folder)
+    damage(folder)
+    return str(folder)
+
+
+def other_tokenizer(folder) -> None:
+    """Two token ids swapped: the same size, another meaning for two ids."""
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+
+
+@pytest.mark.parametrize(
+    "damage, says",
+    [
+        (other_tokenizer, "'s tokenizer is not the dataset's (2 of 512 token ids differ)"),
+        (lambda f: (f / "tokenizer.json").unlink(), "holds no tokenizer.json"),
+        (lambda f: (f / "model.safetensors").unlink(), "holds no *.safetensors weights"),
+        (lambda f: (f / "config.json").unlink(), "cannot read"),
+    ],
+)
+def test_a_folder_without_the_datasets_tokenizer_or_weights_is_one_line(
+    tmp_path, dataset, capsys, qwen2_export, damage, says
+):
+    line = check(tmp_path, dataset, capsys, "", f"model.init_from={init_from_folder(tmp_path, qwen2_export, damage)}")
+    assert "config key 'model.init_from'" in line and says in line, line
+
+
+def test_init_from_and_hf_config_together_are_one_line(tmp_path, dataset, capsys, qwen2_export):
+    line = check(tmp_path, dataset, capsys, shipped("qwen2-tiny"), f"model.init_from={qwen2_export}")
+    assert "'model.init_from' and 'model.hf_config' are both set" in line, line

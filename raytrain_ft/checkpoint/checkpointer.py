@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from raytrain_ft.checkpoint.fingerprint import check_fingerprint
+from raytrain_ft.checkpoint.fingerprint import carry_start, check_fingerprint
 from raytrain_ft.checkpoint.integrity import ChecksummedReader, ChecksummedWriter, CompleteLoadPlanner
 from raytrain_ft.checkpoint.train_state import KEY_META, RunMeta, TrainState, missing_components
 from raytrain_ft.errors import CheckpointError, CorruptCheckpointError, StorageFullError
@@ -355,6 +355,7 @@ class Checkpointer:
         saved = RunMeta(fingerprint={})
         dcp.load({KEY_META: saved}, storage_reader=reader, process_group=self.save_group)
         planned = check_fingerprint(path, saved.fingerprint, current.fingerprint)
+        current.fingerprint = carry_start(saved.fingerprint, current.fingerprint)
         current.history = saved.history
         if planned is not None:  # an extension (`raytrain-ft extend`, checked by the driver first)
             target = current.fingerprint["train.max_steps"]

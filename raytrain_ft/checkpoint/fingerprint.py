@@ -40,6 +40,16 @@ def fingerprint(cfg: Config, manifest: Manifest, num_params: int, model: dict) -
     }
 
 
+# recorded by the run's first start alone (its source), carried by every checkpoint after it, never
+# compared: a resume does not read that source again (raytrain_ft.model.pretrained)
+START_KEYS = ("model.init_from",)
+
+
+def carry_start(saved: dict, current: dict) -> dict:
+    """`current` with the `START_KEYS` entries of the `saved` fingerprint it lacks."""
+    return {**{k: saved[k] for k in START_KEYS if k in saved}, **current}
+
+
 def check_fingerprint(checkpoint: str, saved: dict, current: dict) -> int | None:
     """Compare the fingerprint `saved` in the checkpoint folder `checkpoint` with the `current` one.
 

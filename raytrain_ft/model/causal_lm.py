@@ -3,7 +3,8 @@
 
 `model.hf_config` names a local `config.json` (or a folder holding one) of any architecture
 `AutoModelForCausalLM.from_config` builds (Qwen2/3, Mistral, GPT-NeoX, OLMo2, Phi-3, Llama, ...);
-shipped small ones are under `configs/models/`. Without it, `model.preset` picks a Llama shape:
+shipped small ones are under `configs/models/`; `model.init_from` names a model folder whose
+`config.json` is the architecture and whose weights start step 0 (`raytrain_ft.model.pretrained`). Without them, `model.preset` picks a Llama shape:
 `tiny` ~1M parameters (tests), `small` ~27M (demo), then the usual `125m`, `1b`, `7b` and `70b`
 shapes (GPU clusters), with the vocabulary size from the dataset. Decisions: an `hf_config` keeps
 its own sizes and dropout (`model.dropout` sets a preset's attention dropout only); its vocabulary
@@ -43,15 +44,29 @@ PRESETS: dict[str, tuple[int, int, int, int, int]] = {
 }
 
 
+def source_key(model: ModelSection) -> str:
+    """The config key that names the architecture's `config.json`: `model.init_from` (its folder's,
+    `raytrain_ft.model.pretrained`) or `model.hf_config`; "" for a preset."""
+    return "model.init_from" if model.init_from else "model.hf_config" if model.hf_config else ""
+
+
 def source_config(model: ModelSection) -> dict[str, Any] | None:
-    """The `model.hf_config` file's contents (a dict with `model_type`); None for a preset.
+    """The architecture's `config.json` contents (a dict with `model_type`), from `model.init_from`'s
+    folder or `model.hf_config`; None for a preset.
 
     Raises:
-        ConfigError: no such file (or folder without `config.json`), not JSON, or no `model_type`.
+        ConfigError: both keys set; no such file (or folder without `config.json`), not JSON, or
+            no `model_type`.
     """
-    if not model.hf_config:
+    key = source_key(model)
+    if not key:
         return None
-    path = model.hf_config
+    if model.init_from and model.hf_config:
+        raise ConfigError(
+            "config keys 'model.init_from' and 'model.hf_config' are both set; the folder's config.json is the "
+            "architecture of a run that starts from its weights, so leave model.hf_config empty"
+        )
+    path = model.init_from or model.hf_config
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     try:
@@ -59,13 +74,12 @@ def source_config(model: ModelSection) -> dict[str, Any] | None:
             found = json.load(f)
     except OSError as e:
         raise ConfigError(
-            f"config key 'model.hf_config': cannot read {path} ({e.strerror}); "
-            "give a Hugging Face config.json or its folder"
+            f"config key '{key}': cannot read {path} ({e.strerror}); give a Hugging Face config.json or its folder"
         ) from None
     except json.JSONDecodeError as e:
-        raise ConfigError(f"config key 'model.hf_config': {path} is not JSON ({e.msg}, line {e.lineno})") from None
+        raise ConfigError(f"config key '{key}': {path} is not JSON ({e.msg}, line {e.lineno})") from None
     if not isinstance(found, dict) or "model_type" not in found:
-        raise ConfigError(f"config key 'model.hf_config': {path} has no model_type; is it a Hugging Face config.json?")
+        raise ConfigError(f"config key '{key}': {path} has no model_type; is it a Hugging Face config.json?")
     return found
 
 
@@ -81,8 +95,9 @@ def model_id(model: ModelSection) -> dict[str, Any]:
 
 
 def model_name(model: ModelSection) -> str:
-    """How messages name the network: `model.preset=<name>` or `model.hf_config=<path>`."""
-    return f"model.hf_config={model.hf_config}" if model.hf_config else f"model.preset={model.preset}"
+    """How messages name the network: `model.preset=<name>`, `model.hf_config=<path>` or `model.init_from=<path>`."""
+    key = source_key(model)
+    return f"{key}={model.init_from or model.hf_config}" if key else f"model.preset={model.preset}"
 
 
 def model_config(model: ModelSection | str, vocab_size: int, seq_len: int) -> PretrainedConfig:
@@ -90,39 +105,40 @@ def model_config(model: ModelSection | str, vocab_size: int, seq_len: int) -> Pr
     `vocab_size` token ids and sequences of `seq_len` tokens (module doc).
 
     Raises:
-        ConfigError: an unknown preset; an hf_config that is not a causal LM, or whose vocabulary
-            or positions are smaller than the dataset's.
+        ConfigError: an unknown preset; a `config.json` (`source_config`) that is not a causal LM,
+            ties its embeddings, or whose vocabulary or positions are smaller than the dataset's.
     """
     section = ModelSection(preset=model) if isinstance(model, str) else model
     source = source_config(section)
     if source is None:
         return _preset_config(section.preset, vocab_size, seq_len, section.dropout)
+    key, path = source_key(section), section.init_from or section.hf_config
     fields = {k: v for k, v in source.items() if k != "model_type"}
     try:
         config = AutoConfig.for_model(source["model_type"], **fields)
     except (ValueError, KeyError) as e:
-        raise ConfigError(f"config key 'model.hf_config': {section.hf_config}: {e}") from None
+        raise ConfigError(f"config key '{key}': {path}: {e}") from None
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ConfigError(
-            f"config key 'model.hf_config': {section.hf_config} is a {config.model_type} config, which "
+            f"config key '{key}': {path} is a {config.model_type} config, which "
             "AutoModelForCausalLM does not build; give a decoder-only causal LM (qwen2, mistral, gpt_neox, ...)"
         )
     if getattr(config, "tie_word_embeddings", False):
         raise ConfigError(
-            f"config key 'model.hf_config': {section.hf_config} ties the input and output embeddings, which "
+            f"config key '{key}': {path} ties the input and output embeddings, which "
             "raytrain-ft does not train yet (one tensor under two names in checkpoints and exports); set "
             "tie_word_embeddings: false in it"
         )
     if config.vocab_size < vocab_size:
         raise ConfigError(
-            f"config key 'model.hf_config': {section.hf_config} has vocab_size {config.vocab_size}, fewer than "
+            f"config key '{key}': {path} has vocab_size {config.vocab_size}, fewer than "
             f"the dataset's {vocab_size} token ids; raise vocab_size in the config or prepare the data with a "
             "smaller vocabulary"
         )
     positions = getattr(config, "max_position_embeddings", None)
     if positions is not None and positions < seq_len:
         raise ConfigError(
-            f"config key 'model.hf_config': {section.hf_config} has max_position_embeddings {positions}, fewer "
+            f"config key '{key}': {path} has max_position_embeddings {positions}, fewer "
             f"than the dataset's seq_len {seq_len}; raise it in the config or prepare shorter sequences"
         )
     return config

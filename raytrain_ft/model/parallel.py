@@ -53,6 +53,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from raytrain_ft.config import Config, ParallelSection
 from raytrain_ft.errors import ConfigError
 from raytrain_ft.model.causal_lm import build_model, decoder_layers, lm_loss
+from raytrain_ft.model.pretrained import load_pretrained
 
 
 def resolve_strategy(p: ParallelSection, use_gpu: bool) -> str:
@@ -160,7 +161,8 @@ def build(
     The model is built on the `meta` device (no memory: a 70B model would need 280 GB of host
     memory per rank otherwise), wrapped, and allocated on `device` by `materialize`: under
     fsdp/hsdp each rank allocates only its shards, so no rank ever holds the full model. Its
-    weights do not depend on the strategy, the mesh or the world size. `resuming`: a checkpoint is
+    weights do not depend on the strategy, the mesh or the world size: drawn from `train.seed`, or
+    under `model.init_from` read from that folder (`raytrain_ft.model.pretrained`). `resuming`: a checkpoint is
     about to overwrite every parameter, so the weights are left uninitialised and DDP skips its
     initial broadcast (`init_sync`): drawing and broadcasting weights that the load replaces cost a
     restart ~1 s on the reference machine (a kill probe of the demo config). AdamW is PyTorch's `fused`
@@ -181,10 +183,13 @@ def build(
         for i, layer in enumerate(layers):
             layers[i] = checkpoint_wrapper(layer)
     mixed = device.type == "cuda"
-    seed = None if resuming else cfg.train.seed
+    pretrained = cfg.model.init_from if not resuming else ""  # step 0 of continued pretraining
+    seed = None if resuming or pretrained else cfg.train.seed
     forward_module: torch.nn.Module
     if strategy == "ddp":
         materialize(model, seed, device)
+        if pretrained:
+            load_pretrained(model, pretrained)
         # no buffer broadcast in every forward: the only buffers (the rotary embedding's) are computed
         # alike on every rank, and a collective in forward would put a wait in `straggler.ComputeTimer`
         ids = [device.index] if mixed else None
@@ -200,6 +205,8 @@ def build(
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
         materialize(model, seed, device)
+        if pretrained:
+            load_pretrained(model, pretrained)
         forward_module = model
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, fused=True)
     shard_index = rank % shard_size if strategy != "ddp" else 0
