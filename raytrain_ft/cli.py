@@ -334,7 +334,7 @@ def flops_line(cfg: Config, vocab_size: int, seq_len: int) -> str:
     if flops is None:
         return "training FLOPs per token: none (a mixture of experts: MFU is not reported)"
     c = model.config
-    n = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    n = (flops - 12 * c.num_hidden_layers * c.hidden_size * seq_len) / 6
     return (
         f"training FLOPs per token (MFU's numerator, PaLM App. B): 6·N + 12·L·h·s = 6·{n / 1e9:.2f}e9 + "
         f"12·{c.num_hidden_layers}·{c.hidden_size}·{seq_len} = {flops:.3e}"

@@ -81,6 +81,36 @@ def test_a_shipped_architecture_trains_and_a_kill_resumes_bitwise(tmp_path, data
     assert type(built).__name__ == cls
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_tied_embeddings_train_resume_bitwise_are_stored_once_and_export_tied(tmp_path, dataset, strategy):
+    """`tie_word_embeddings: true` (Qwen2-0.5B's, Gemma's): one parameter under two names. The
+    checkpoint holds it once (under the input embedding, as AdamW's state); a kill resumes bitwise
+    with the two names still one tensor; the export loads tied in `transformers`, the run's logits."""
+    tied = tmp_path / "tied"
+    tied.mkdir()
+    shutil.copyfile(write_config(tmp_path, tie_word_embeddings=True), tied / "config.json")
+    runs = [f"model.hf_config={tied}", f"train.max_steps={STEPS}", f"parallel.strategy={strategy}", "run.name=tied"]
+    reference = make_config(tmp_path / "ref", dataset, *runs)
+    local_run(reference)
+    killed = make_config(tmp_path / "killed", dataset, *runs, KILL)
+    run_id = local_run(killed)
+    assert_resumed(killed.tracking.uri, run_id, [0, 5])
+    state = final_state(killed, STEPS)
+    assert_same_state(state, final_state(reference, STEPS))
+    assert "lm_head.weight" not in state and "optim.state.model.embed_tokens.weight.exp_avg" in state
+    out = tmp_path / "hf"
+    assert main(["export", "tied", "--out", str(out), "--tracking-uri", killed.tracking.uri]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(out)
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    assert torch.equal(hf.model.embed_tokens.weight, state["model.embed_tokens.weight"])
+    ours = build_model(killed.model, 512, 32)  # tied: loading the input embedding sets the output one
+    missing = ours.load_state_dict({k: v for k, v in state.items() if not k.startswith("optim.")}, strict=False)
+    assert missing.missing_keys == ["lm_head.weight"] and ours.lm_head.weight is ours.model.embed_tokens.weight
+    inputs = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(hf.eval()(input_ids=inputs).logits, ours.eval()(input_ids=inputs).logits)
+
+
 @pytest.fixture(scope="module")
 def qwen2_export(tmp_path_factory, dataset) -> str:
     """A finished Qwen2 run (`STEPS`) exported by `raytrain-ft export`: the folder (config, safetensors,
@@ -190,7 +220,6 @@ def write_config(tmp_path, **fields) -> str:
         ({"model_type": "t5"}, "is a t5 config, which AutoModelForCausalLM does not build"),
         ({"vocab_size": 256}, "has vocab_size 256, fewer than the dataset's 512 token ids"),
         ({"max_position_embeddings": 16}, "has max_position_embeddings 16, fewer than the dataset's seq_len 32"),
-        ({"tie_word_embeddings": True}, "ties the input and output embeddings"),
     ],
 )
 def test_a_config_that_is_not_a_causal_lm_or_disagrees_with_the_dataset_is_one_line(

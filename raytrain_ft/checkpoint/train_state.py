@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -98,17 +99,36 @@ def missing_components(saved: Iterable[str], required: Iterable[str] | None = No
     return missing
 
 
+def tied_names(model: torch.nn.Module) -> set[str]:
+    """The names under which a parameter is registered a second (third, ...) time, as in a
+    `state_dict` (wrapper prefixes removed): a tied output embedding (`lm_head.weight` when
+    `tie_word_embeddings`). Its first name, in registration order, is the one AdamW's state is under."""
+    first: dict[int, str] = {}
+    tied = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        name = name.replace("_checkpoint_wrapped_module.", "")
+        if first.setdefault(id(p), name) != name:
+            tied.add(name)
+    return tied
+
+
 class ModelState(Stateful):
-    """The model's weights, keys as the unwrapped HF model's `state_dict` (DDP prefix removed)."""
+    """The model's weights, keys as the unwrapped HF model's `state_dict` (DDP prefix removed),
+    each parameter once: a tied name (`tied_names`) is left out and comes back with its first."""
 
     def __init__(self, model: torch.nn.Module):
-        self.model = model
+        self.model, self.tied = model, tied_names(model)
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
+        return {k: v for k, v in get_model_state_dict(self.model).items() if k not in self.tied}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state)
+        """Raises: RuntimeError: a weight missing from `state` (other than a tied name) or one the model lacks."""
+        keys = set_model_state_dict(self.model, state, options=StateDictOptions(strict=False))
+        if set(keys.missing_keys) - self.tied or keys.unexpected_keys:
+            raise RuntimeError(
+                f"model weights do not match: missing {keys.missing_keys}, unexpected {keys.unexpected_keys}"
+            )
 
 
 class OptimizerState(Stateful):

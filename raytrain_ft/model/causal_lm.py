@@ -4,13 +4,15 @@
 `model.hf_config` names a local `config.json` (or a folder holding one) of any architecture
 `AutoModelForCausalLM.from_config` builds (Qwen2/3, Mistral, GPT-NeoX, OLMo2, Phi-3, Llama, ...);
 shipped small ones are under `configs/models/`; `model.init_from` names a model folder whose
-`config.json` is the architecture and whose weights start step 0 (`raytrain_ft.model.pretrained`). Without them, `model.preset` picks a Llama shape:
+`config.json` is the architecture and whose weights start step 0 (`raytrain_ft.model.pretrained`).
+Without them, `model.preset` picks a Llama shape:
 `tiny` ~1M parameters (tests), `small` ~27M (demo), then the usual `125m`, `1b`, `7b` and `70b`
 shapes (GPU clusters), with the vocabulary size from the dataset. Decisions: an `hf_config` keeps
 its own sizes and dropout (`model.dropout` sets a preset's attention dropout only); its vocabulary
-must hold the dataset's token ids and its `max_position_embeddings` the dataset's `seq_len`, and
-its input and output embeddings must not be tied (`tie_word_embeddings: false`: one tensor under
-two names is not yet handled by checkpoints and export), else one line (`ConfigError`).
+must hold the dataset's token ids and its `max_position_embeddings` the dataset's `seq_len`, else
+one line (`ConfigError`). Tied input and output embeddings (`tie_word_embeddings: true`) are one
+parameter: stored once in checkpoints and exports, under the input embedding's name
+(`raytrain_ft.checkpoint.train_state.tied_names`).
 """
 
 from __future__ import annotations
@@ -123,12 +125,6 @@ def model_config(model: ModelSection | str, vocab_size: int, seq_len: int) -> Pr
             f"config key '{key}': {path} is a {config.model_type} config, which "
             "AutoModelForCausalLM does not build; give a decoder-only causal LM (qwen2, mistral, gpt_neox, ...)"
         )
-    if getattr(config, "tie_word_embeddings", False):
-        raise ConfigError(
-            f"config key '{key}': {path} ties the input and output embeddings, which "
-            "raytrain-ft does not train yet (one tensor under two names in checkpoints and exports); set "
-            "tie_word_embeddings: false in it"
-        )
     if config.vocab_size < vocab_size:
         raise ConfigError(
             f"config key '{key}': {path} has vocab_size {config.vocab_size}, fewer than "
@@ -204,7 +200,8 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> float | None:
     architecture (from its config and its parameters); None for a mixture of experts (a token
     runs through some experts only: MFU is not reported for it).
 
-    N is the number of parameters without the input embedding (a lookup, no matmul), L the
+    N is the number of parameters without the input embedding (a lookup, no matmul; tied to the
+    output embedding, it is that matmul's weight and counts), L the
     decoder layers, h the hidden size, s the sequence length; 12·L·h·s counts the attention score
     and value matmuls (Q·K^T and A·V). Source: Chowdhery et al. 2022, "PaLM", Appendix B (MFU).
     """
@@ -212,5 +209,7 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> float | None:
     c = lm.config
     if max(getattr(c, "num_local_experts", 0) or 0, getattr(c, "num_experts", 0) or 0) > 1:
         return None
-    n = sum(p.numel() for p in model.parameters()) - lm.get_input_embeddings().weight.numel()
+    embedding = lm.get_input_embeddings().weight
+    tied = lm.get_output_embeddings().weight is embedding
+    n = sum(p.numel() for p in model.parameters()) - (0 if tied else embedding.numel())
     return 6 * n + 12 * c.num_hidden_layers * c.hidden_size * seq_len

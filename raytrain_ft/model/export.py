@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from raytrain_ft.checkpoint.integrity import verify_checkpoint
 from raytrain_ft.checkpoint.reader import CheckpointReader
-from raytrain_ft.checkpoint.train_state import KEY_MODEL, RunMeta
+from raytrain_ft.checkpoint.train_state import KEY_MODEL, RunMeta, tied_names
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.errors import CheckpointError, DataError, UserError
 from raytrain_ft.run_folder import complete_steps, step_path
@@ -168,7 +168,7 @@ def export_checkpoint(
         split = split_state_dict_into_shards_factory(
             expected,  # name -> shape, in the model's state_dict order
             get_storage_size=lambda shape: shape.numel() * target.itemsize,
-            get_storage_id=lambda shape: None,  # no tied weights (tie_word_embeddings=False)
+            get_storage_id=lambda shape: None,  # each weight once (`_expected_shapes`)
             filename_pattern=SHARD_PATTERN,
             max_shard_size=max_shard_size,
         )
@@ -235,12 +235,15 @@ def _hf_config(meta: RunMeta, eos_id: int, dtype: torch.dtype):
 
 
 def _expected_shapes(config) -> dict[str, torch.Size]:
-    """name -> shape of the causal LM's `state_dict()` for `config`, built on the meta device (no memory)."""
+    """name -> shape of the causal LM's `state_dict()` for `config`, built on the meta device (no
+    memory), each weight once: a tied output embedding is the input's (`train_state.tied_names`),
+    stored once in checkpoints and exports (`from_pretrained` ties it again)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return {k: v.shape for k, v in model.state_dict().items()}
+    tied = tied_names(model)
+    return {k: v.shape for k, v in model.state_dict().items() if k not in tied}
 
 
 def _generation_config(config):

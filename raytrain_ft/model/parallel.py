@@ -250,6 +250,8 @@ def materialize(model: torch.nn.Module, seed: int | None, device: torch.device) 
     is built from the model's config).
     """
     model.to_empty(device=device)
+    lm: Any = model
+    lm.tie_weights()  # to_empty gives each module its own tensor: a tied output embedding is the input's again
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             if type(child).__name__.endswith("RotaryEmbedding"):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import REPO
+from raytrain_ft.checkpoint.train_state import tied_names
 from raytrain_ft.config import ModelSection
 from raytrain_ft.model.causal_lm import build_model, decoder_layers, flops_per_token, model_id
 
@@ -63,3 +64,17 @@ def test_a_mixture_of_experts_reports_no_mfu(tmp_path):
     with torch.device("meta"):
         model = build_model(ModelSection(hf_config=str(tmp_path)), 512, 32)
     assert type(model).__name__ == "MixtralForCausalLM" and flops_per_token(model, 32) is None
+
+
+def test_a_tied_output_embedding_is_one_parameter_its_matmul_counted_and_its_name_left_out(tmp_path):
+    """Tied: the 512 x 64 matrix is the output projection's weight (6·N counts its matmul), and the
+    model's state names it twice, the second name (`lm_head.weight`) left out of checkpoints."""
+    with open(os.path.join(MODELS, "qwen2-tiny", "config.json")) as f:
+        config = {**json.load(f), "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with torch.device("meta"):
+        tied = build_model(ModelSection(hf_config=str(tmp_path)), 512, 32)
+        untied = build_model(ModelSection(hf_config=os.path.join(MODELS, "qwen2-tiny")), 512, 32)
+    assert sum(p.numel() for p in untied.parameters()) - sum(p.numel() for p in tied.parameters()) == 512 * 64
+    assert flops_per_token(tied, 32) == flops_per_token(untied, 32)  # the same matmuls
+    assert tied_names(tied) == {"lm_head.weight"} and tied_names(untied) == set()
