@@ -26,6 +26,7 @@ from raytrain_ft.cli import main
 from raytrain_ft.config import from_dict, to_dict
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import EpochOrder
+from raytrain_ft.launch.driver import run
 from raytrain_ft.model.causal_lm import build_model
 from raytrain_ft.model.parallel import build
 from raytrain_ft.run_folder import step_path
@@ -137,6 +138,18 @@ def test_the_export_of_a_qwen2_run_loads_as_qwen2_with_the_training_models_logit
     ours.load_state_dict(weights)
     inputs = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     assert torch.equal(hf(input_ids=inputs).logits, ours(input_ids=inputs).logits)
+
+
+@pytest.mark.usefixtures("ray_local")
+def test_a_qwen2_run_on_ray_train_resumes_bitwise_after_a_kill(tmp_path, dataset, qwen2_export):
+    """The same architecture through Ray Train (`TorchTrainer`, `FailureConfig` restart): equal to
+    the uninterrupted Ray-free run the export fixture trained."""
+    with open(os.path.join(os.path.dirname(qwen2_export), "cfg.json")) as f:
+        uninterrupted = from_dict(json.load(f))
+    cfg = arch_config(tmp_path, dataset, "qwen2-tiny", KILL)
+    run_id = run(cfg)
+    assert_resumed(cfg.tracking.uri, run_id, [0, 5])
+    assert_same_state(final_state(cfg, STEPS), final_state(uninterrupted, STEPS))
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
