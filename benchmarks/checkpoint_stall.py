@@ -38,8 +38,8 @@ from raytrain_ft.checkpoint import checkpointer as checkpoint
 from raytrain_ft.checkpoint.checkpointer import Checkpointer
 from raytrain_ft.checkpoint.integrity import ChecksummedWriter
 from raytrain_ft.checkpoint.train_state import KEY_META, ModelState, OptimizerState, RunMeta, TrainState
+from raytrain_ft.core.run_folder import step_path
 from raytrain_ft.model.causal_lm import build_model, lm_loss
-from raytrain_ft.run_folder import step_path
 from report import default_out, report, scratch
 
 

@@ -2,7 +2,7 @@
 and a plain Ray Train restart, side by side, against the Young/Daly bound.
 
 Failures strike like real ones: this script, not the training loop, SIGKILLs a worker process
-(`<run folder>/workers/rank<r>.json`, `raytrain_ft.run_folder.worker_records`) at a seeded
+(`<run folder>/workers/rank<r>.json`, `raytrain_ft.core.run_folder.worker_records`) at a seeded
 random moment: an exponential gap of training after the first step completed since the previous
 kill, on a random rank. Per round `--kills` (2) gaps are drawn and scaled so that their realised
 mean is `--mtbf-s` (60 s), with one random rank per gap; both raytrain-ft modes get the same gaps
@@ -79,7 +79,8 @@ from ray.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from raytrain_ft.checkpoint.interval import daly_interval_s, expected_waste_fraction
-from raytrain_ft.config import load_config
+from raytrain_ft.core.config import load_config
+from raytrain_ft.core.run_folder import worker_records, write_worker_record
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.prepare import PrepareSettings
 from raytrain_ft.launch.driver import WORKER_ENV, run
@@ -87,7 +88,6 @@ from raytrain_ft.launch.prepare import prepare
 from raytrain_ft.launch.ray_start import RAY_NODE_ENV
 from raytrain_ft.model.causal_lm import build_model, lm_loss
 from raytrain_ft.resilience.recovery import failures, recovery_rows, replacement_rows
-from raytrain_ft.run_folder import worker_records, write_worker_record
 from raytrain_ft.telemetry.tracking import GOODPUT_SUMMARY, MlflowRecorder, steps_logged_since
 from report import default_out, report, scratch
 

@@ -1,6 +1,6 @@
 """Steps/s of the full training step (guards, straggler timing, MLflow, fingerprints, a save) against the bare DDP step.
 
-Two gloo ranks (torch.multiprocessing, no Ray: `raytrain_ft.local_session.LocalSession`), the
+Two gloo ranks (torch.multiprocessing, no Ray: `raytrain_ft.training.local_session.LocalSession`), the
 `small` preset on the stdlib corpus (prepared into data/stdlib if missing). Each rank builds one
 `Trainer`. A round runs `--steps` bare steps (forward/backward, clip, AdamW; nothing else) and
 `--steps` full steps (`Trainer.step`: spike guard and its all-reduce, rank check every 10 steps, a
@@ -33,13 +33,13 @@ import torch
 import torch.distributed as dist
 from scipy import stats
 
-from raytrain_ft.config import load_config
+from raytrain_ft.core.config import load_config
+from raytrain_ft.data.position import Share
 from raytrain_ft.data.prepare import PrepareSettings
 from raytrain_ft.launch.prepare import prepare
-from raytrain_ft.local_session import LocalSession
-from raytrain_ft.loop import Trainer, forward_backward
-from raytrain_ft.resilience.replicas import Share
 from raytrain_ft.telemetry.tracking import start_or_resume_run
+from raytrain_ft.training.local_session import LocalSession
+from raytrain_ft.training.loop import Trainer, forward_backward
 from report import default_out, report, scratch, spawn_ranks
 
 

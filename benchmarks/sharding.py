@@ -30,10 +30,10 @@ import torch.distributed.checkpoint as dcp
 
 from raytrain_ft.checkpoint.checkpointer import Checkpointer
 from raytrain_ft.checkpoint.train_state import KEY_MODEL, KEY_OPTIM, ModelState, OptimizerState, TrainState
-from raytrain_ft.config import load_config
+from raytrain_ft.core.config import load_config
+from raytrain_ft.core.run_folder import step_path
 from raytrain_ft.model.causal_lm import lm_loss
 from raytrain_ft.model.parallel import build, local
-from raytrain_ft.run_folder import step_path
 from report import default_out, report, scratch, spawn_ranks
 
 PRESET, VOCAB, SEQ_LEN, MICRO_BATCH = "small", 8192, 256, 2

@@ -1,7 +1,7 @@
 """The any-world-size split: a global batch of 8 sequences (micro-batch 2) at W=3 against W=2.
 
 Processes under torch.multiprocessing, gloo, no Ray; the `tiny` preset under DDP (vocab 512,
-seq_len 256, random tokens), each step = `raytrain_ft.loop.forward_backward` over the rank's
+seq_len 256, random tokens), each step = `raytrain_ft.training.loop.forward_backward` over the rank's
 `data.batches.split_passes` (W=2: 4 sequences in 2 passes of 2; W=3: 2/3/3 sequences in 2 passes), clip,
 AdamW. Rounds alternate W=2 and W=3 (`--rounds`, each `--steps` timed steps after one warm-up);
 reported: median step time (the slowest rank's), steps/s, sequences/s per rank, and
@@ -23,11 +23,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from raytrain_ft.config import load_config
+from raytrain_ft.core.config import load_config
 from raytrain_ft.data.batches import split_passes
 from raytrain_ft.data.position import BatchPlan
-from raytrain_ft.loop import forward_backward
 from raytrain_ft.model.parallel import build
+from raytrain_ft.training.loop import forward_backward
 from report import default_out, report, scratch, spawn_ranks
 
 PRESET, VOCAB, SEQ_LEN, G, M = "tiny", 512, 256, 8, 2

@@ -11,8 +11,8 @@ import argparse
 import logging
 import sys
 
+from raytrain_ft.core.errors import UserError
 from raytrain_ft.data.prepare import PrepareSettings
-from raytrain_ft.errors import UserError
 from raytrain_ft.launch.prepare import prepare
 
 # Ray Data logs a worker's exception with its stack before re-raising it; the one line below says it.

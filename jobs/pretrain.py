@@ -12,12 +12,12 @@ import sys
 
 import ray
 
-from raytrain_ft.config import load_config
-from raytrain_ft.errors import UserError
+from raytrain_ft.core.config import load_config
+from raytrain_ft.core.errors import UserError
 from raytrain_ft.launch import ray_start
 from raytrain_ft.launch.driver import Terminated, job_runtime_env, run
 from raytrain_ft.launch.tracking_server import lasting_path
-from raytrain_ft.preflight import problems
+from raytrain_ft.training.preflight import problems
 
 
 def check_before_ray(cfg) -> None:

@@ -11,7 +11,8 @@
     raytrain-ft verify RUN [--step N] [--tracking-uri ...]
 
 RUN is a run folder, an MLflow run id or a run name, found the same way by every command
-(`raytrain_ft.run_resolver.find_run`). Errors in the input print one `error: ...` line on stderr and exit with status 2.
+(`raytrain_ft.telemetry.run_resolver.find_run`). Errors in the input print one `error: ...` line on
+stderr and exit with status 2.
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ from dataclasses import asdict
 from raytrain_ft.checkpoint import interval
 
 if typing.TYPE_CHECKING:
-    from raytrain_ft.config import Config
+    from raytrain_ft.core.config import Config
 
-RUN_HELP = "a run folder (run.storage_path/run.name), an MLflow run id, or a run name (raytrain_ft.run_resolver)"
+RUN_HELP = (
+    "a run folder (run.storage_path/run.name), an MLflow run id, or a run name (raytrain_ft.telemetry.run_resolver)"
+)
 
 
 def _add_tracking_uri(p: argparse.ArgumentParser) -> None:
-    """`--tracking-uri`: the MLflow store a RUN is looked up in (`raytrain_ft.run_resolver`)."""
+    """`--tracking-uri`: the MLflow store a RUN is looked up in (`raytrain_ft.telemetry.run_resolver`)."""
     p.add_argument(
         "--tracking-uri",
         default="",
@@ -281,8 +284,8 @@ def _plan_memory(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from raytrain_ft.config import load_config
-    from raytrain_ft.errors import ConfigError
+    from raytrain_ft.core.config import load_config
+    from raytrain_ft.core.errors import ConfigError
     from raytrain_ft.model import memory
     from raytrain_ft.model.causal_lm import model_name
 
@@ -381,7 +384,7 @@ def _add_plan_memory(subparsers) -> None:
 
 def _mlflow_run(run: str, tracking_uri: str):
     """(the store's `MlflowClient`, the MLflow `Run` of RUN): `run_resolver.find_run`'s rules."""
-    from raytrain_ft.run_resolver import find_run, store
+    from raytrain_ft.telemetry.run_resolver import find_run, store
 
     found = find_run(run, tracking_uri)
     return store(found.tracking_uri or tracking_uri), found.mlflow_run(tracking_uri)
@@ -480,11 +483,11 @@ def _add_history(subparsers) -> None:
 
 
 def _check(args: argparse.Namespace) -> int:
-    """Everything knowable before a worker starts (`raytrain_ft.preflight`): one line per problem."""
-    from raytrain_ft.config import load_config
+    """Everything knowable before a worker starts (`raytrain_ft.training.preflight`): one line per problem."""
+    from raytrain_ft.core.config import load_config
+    from raytrain_ft.core.errors import UserError
     from raytrain_ft.data.position import BatchPlan
-    from raytrain_ft.errors import UserError
-    from raytrain_ft.preflight import goodput_projection, problems
+    from raytrain_ft.training.preflight import goodput_projection, problems
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -497,7 +500,7 @@ def _check(args: argparse.Namespace) -> int:
         address = None  # the dashboard's job-submission address (`ray job submit`), not a GCS address
     if address:  # connect to a running cluster (never start one) for its resources
         from raytrain_ft.launch.driver import cluster_resources
-        from raytrain_ft.preflight import check_address
+        from raytrain_ft.training.preflight import check_address
 
         try:
             if address != "auto":
@@ -525,11 +528,11 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _extend(args: argparse.Namespace) -> int:
-    """Record a new `train.max_steps` for a wsd run (see `raytrain_ft.extension.extend`)."""
-    from raytrain_ft.errors import UserError
-    from raytrain_ft.extension import extend
-    from raytrain_ft.run_resolver import find_run, store
+    """Record a new `train.max_steps` for a wsd run (see `raytrain_ft.training.extension.extend`)."""
+    from raytrain_ft.core.errors import UserError
+    from raytrain_ft.telemetry.run_resolver import find_run, store
     from raytrain_ft.telemetry.tracking import MlflowRecorder
+    from raytrain_ft.training.extension import extend
 
     found = find_run(args.run, args.tracking_uri)
     client, run, run_root = (
@@ -612,7 +615,7 @@ def _runs(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from raytrain_ft.run_resolver import store
+    from raytrain_ft.telemetry.run_resolver import store
 
     client = store(args.tracking_uri)
     experiments = [e.experiment_id for e in client.search_experiments()]
@@ -639,9 +642,9 @@ def _add_runs(subparsers) -> None:
 def _export(args: argparse.Namespace) -> int:
     """A checkpoint as a Hugging Face model folder, optionally registered in MLflow (see `raytrain_ft.model.export`)."""
     from raytrain_ft.checkpoint.reader import CheckpointReader
-    from raytrain_ft.errors import UserError
+    from raytrain_ft.core.errors import UserError
     from raytrain_ft.model import export
-    from raytrain_ft.run_resolver import find_run
+    from raytrain_ft.telemetry.run_resolver import find_run
     from raytrain_ft.telemetry.tracking import resolve_uri
 
     uri = resolve_uri(args.tracking_uri)
@@ -691,8 +694,8 @@ def _verify(args: argparse.Namespace) -> int:
     """Check the committed checkpoints of a run: checksums of every stored byte and completeness
     (`raytrain_ft.checkpoint.integrity.verify_checkpoint`); one row each. Exit 1 if any is corrupt."""
     from raytrain_ft.checkpoint.integrity import verify_checkpoint
-    from raytrain_ft.run_folder import committed_steps, step_path
-    from raytrain_ft.run_resolver import find_run
+    from raytrain_ft.core.run_folder import committed_steps, step_path
+    from raytrain_ft.telemetry.run_resolver import find_run
 
     root = find_run(args.run, args.tracking_uri).folder()
     steps = committed_steps(root)

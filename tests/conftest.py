@@ -41,15 +41,15 @@ import torch.distributed as dist
 from mlflow.tracking import MlflowClient
 
 from raytrain_ft.checkpoint.reader import load_model_state_dict, load_tensors
-from raytrain_ft.config import TrainSection, load_config
+from raytrain_ft.core.config import TrainSection, load_config
+from raytrain_ft.core.run_folder import step_path
+from raytrain_ft.core.schedule import lr_schedule
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import EpochOrder, steps_per_epoch
 from raytrain_ft.data.prepare import PrepareSettings
 from raytrain_ft.launch.driver import job_runtime_env
 from raytrain_ft.launch.prepare import prepare
 from raytrain_ft.launch.ray_start import RAY_NODE_ENV
-from raytrain_ft.run_folder import step_path
-from raytrain_ft.schedule import lr_schedule
 from raytrain_ft.telemetry.tracking import MlflowRecorder
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,5 +1,5 @@
 """Ray-free runs for the loop-level tests: `world_size` gloo ranks in spawned processes, each running
-`raytrain_ft.loop.train` on a `LocalSession`.
+`raytrain_ft.training.loop.train` on a `LocalSession`.
 
 An attempt that fails (a rank raised, or a rank's process died) is followed by a new attempt of fresh
 processes, as Ray Train's group restart does, up to `failure.max_failures` restarts; the new attempt
@@ -21,11 +21,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from raytrain_ft.config import Config, from_dict, to_dict
-from raytrain_ft.local_session import LocalSession
-from raytrain_ft.loop import train
-from raytrain_ft.run_folder import run_root
+from raytrain_ft.core.config import Config, from_dict, to_dict
+from raytrain_ft.core.run_folder import run_root
 from raytrain_ft.telemetry.tracking import MlflowRecorder, finish_run, flatten, start_or_resume_run
+from raytrain_ft.training.local_session import LocalSession
+from raytrain_ft.training.loop import train
 
 # Ranks fork from one server process that imported these once (`multiprocessing` "forkserver"): a
 # rank that imports them itself spends ~5 s of CPU per rank and attempt (a 30-step run took 8-9 s, 2.6 s
@@ -35,8 +35,8 @@ from raytrain_ft.telemetry.tracking import MlflowRecorder, finish_run, flatten, 
 # (tests/test_local_run.py imports every name the way the server does). MLflow's SQL store is imported
 # at the first client of a `sqlite:` URI, not by `import mlflow`; the loss plot imports matplotlib.
 PRELOAD = [
-    "raytrain_ft.local_session",
-    "raytrain_ft.loop",
+    "raytrain_ft.training.local_session",
+    "raytrain_ft.training.loop",
     "raytrain_ft.telemetry.tracking",
     "raytrain_ft.telemetry.plots",
     "mlflow.store.tracking.sqlalchemy_store",

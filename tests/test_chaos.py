@@ -48,10 +48,10 @@ from conftest import (
     run_root,
     wait_for,
 )
+from raytrain_ft.core.run_folder import COMMIT_ACK_FILE, list_step_dirs, step_of, worker_records
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.launch.driver import restarts_left, run
 from raytrain_ft.resilience.recovery import GROUP_START, KILLED, failures, recovery_rows
-from raytrain_ft.run_folder import COMMIT_ACK_FILE, list_step_dirs, step_of, worker_records
 from raytrain_ft.telemetry.tracking import MlflowRecorder, steps_logged_since
 
 pytestmark = pytest.mark.usefixtures("ray_local")

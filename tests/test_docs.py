@@ -28,9 +28,9 @@ import pytest
 import yaml
 
 from conftest import REPO
-from raytrain_ft.config import load_config, valid_keys
-from raytrain_ft.config_reference import reference_markdown
-from raytrain_ft.errors import UserError
+from raytrain_ft.core.config import load_config, valid_keys
+from raytrain_ft.core.config_reference import reference_markdown
+from raytrain_ft.core.errors import UserError
 from raytrain_ft.launch.driver import WORKER_ENV
 
 README = "README.md"
@@ -49,7 +49,7 @@ def test_config_reference_is_the_generated_one():
     text = DOCS[CONFIG_REFERENCE]
     start = text.index("-->\n", text.index("<!-- config-reference:start")) + 4
     end = text.index("<!-- config-reference:end -->")
-    assert text[start:end] == reference_markdown(), "regenerate it: python -m raytrain_ft.config_reference"
+    assert text[start:end] == reference_markdown(), "regenerate it: python -m raytrain_ft.core.config_reference"
 
 
 def test_every_config_key_is_documented():

@@ -24,10 +24,10 @@ from raytrain_ft.checkpoint.checkpointer import Checkpointer
 from raytrain_ft.checkpoint.fingerprint import fingerprint
 from raytrain_ft.checkpoint.train_state import KEY_META, KEY_MODEL, ModelState, RunMeta, TrainState
 from raytrain_ft.cli import main
+from raytrain_ft.core.run_folder import step_path
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.model.causal_lm import model_id
 from raytrain_ft.model.parallel import build
-from raytrain_ft.run_folder import step_path
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

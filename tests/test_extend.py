@@ -12,7 +12,7 @@ from conftest import assert_resumed, assert_same_state, final_state, make_config
 from local_run import LocalRunFailed, local_run
 from raytrain_ft.checkpoint.reader import newest_checkpoint
 from raytrain_ft.cli import main
-from raytrain_ft.errors import CheckpointError
+from raytrain_ft.core.errors import CheckpointError
 from raytrain_ft.launch.driver import run
 
 pytestmark = pytest.mark.usefixtures("ray_local")

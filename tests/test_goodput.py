@@ -9,10 +9,10 @@ from mlflow.tracking import MlflowClient
 
 from conftest import make_config, metric_by_step
 from raytrain_ft.checkpoint.interval import optimal_interval_s
-from raytrain_ft.local_session import LocalSession
-from raytrain_ft.loop import train
-from raytrain_ft.run_folder import list_step_dirs
+from raytrain_ft.core.run_folder import list_step_dirs
 from raytrain_ft.telemetry.tracking import start_or_resume_run
+from raytrain_ft.training.local_session import LocalSession
+from raytrain_ft.training.loop import train
 
 
 def auto_run(tmp_path, dataset, mtbf_hours: float) -> tuple[list[int], dict, str]:

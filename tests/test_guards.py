@@ -15,11 +15,11 @@ from mlflow.tracking import MlflowClient
 from conftest import GUARDED, assert_resumed, assert_same_state, events, final_state, make_config
 from local_run import local_run
 from raytrain_ft.checkpoint.reader import load_model_state_dict
+from raytrain_ft.core.run_folder import complete_steps, step_path
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import window_sample_ids
 from raytrain_ft.data.position import BatchPlan, DataPosition
-from raytrain_ft.run_folder import complete_steps, step_path
 
 
 def root(cfg) -> str:

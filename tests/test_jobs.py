@@ -27,7 +27,7 @@ from mlflow.tracking import MlflowClient
 from ray.job_submission import JobStatus, JobSubmissionClient
 
 from conftest import REPO, events, free_port, make_config, sqlite_store
-from raytrain_ft.errors import ConfigError
+from raytrain_ft.core.errors import ConfigError
 from raytrain_ft.launch.driver import preflight
 
 PRETRAIN = os.path.join(REPO, "jobs", "pretrain.py")

@@ -12,8 +12,8 @@ import torch
 
 from conftest import REPO, assert_tensors_equal
 from raytrain_ft.cli import main
-from raytrain_ft.config import load_config
-from raytrain_ft.errors import ConfigError
+from raytrain_ft.core.config import load_config
+from raytrain_ft.core.errors import ConfigError
 from raytrain_ft.model.memory import check_fits, plan
 
 VOCAB, SEQ_LEN = 509, 32  # an odd vocabulary: FSDP2 shards of unequal size (rank 0 holds one row more)

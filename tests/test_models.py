@@ -23,13 +23,13 @@ from conftest import REPO, assert_resumed, assert_same_state, final_state, make_
 from local_run import LocalRunFailed, local_run
 from raytrain_ft.checkpoint.reader import CheckpointReader, load_model_state_dict
 from raytrain_ft.cli import main
-from raytrain_ft.config import from_dict, to_dict
+from raytrain_ft.core.config import from_dict, to_dict
+from raytrain_ft.core.run_folder import step_path
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import EpochOrder
 from raytrain_ft.launch.driver import run
 from raytrain_ft.model.causal_lm import build_model
 from raytrain_ft.model.parallel import build
-from raytrain_ft.run_folder import step_path
 
 STEPS = 10
 KILL = "faults=[{kind: kill, step: 7, rank: 1}]"  # after step 5's commit: the restart resumes from 5

@@ -13,8 +13,8 @@ from scenarios.replica_preemption import DRAIN_AFTER, STEPS, replica_preemption_
 
 from conftest import assert_resumed, events, expected_step_ids, run_scenario
 from raytrain_ft.cli import main as cli
+from raytrain_ft.core.run_folder import replica_final_file
 from raytrain_ft.data.audit import read_audit
-from raytrain_ft.run_folder import replica_final_file
 
 
 def test_a_drained_replica_leaves_at_a_step_boundary_and_is_replaced_without_a_restart_or_a_lost_step(

@@ -18,9 +18,9 @@ from test_remote_storage import s3_env  # noqa: F401  (fixture: the local S3 ser
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from conftest import REPO, STDLIB_JSON
+from raytrain_ft.core.errors import DataError
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.prepare import PrepareSettings, read_documents
-from raytrain_ft.errors import DataError
 from raytrain_ft.launch.prepare import prepare
 
 pytestmark = pytest.mark.usefixtures("ray_local")

@@ -24,9 +24,9 @@ from conftest import (
 )
 from local_run import LocalRunFailed, local_run
 from raytrain_ft.checkpoint.integrity import verify_checkpoint
-from raytrain_ft.errors import CheckpointError
+from raytrain_ft.core.errors import CheckpointError
+from raytrain_ft.core.run_folder import committed_steps, read_run_id, step_path
 from raytrain_ft.launch.driver import run
-from raytrain_ft.run_folder import committed_steps, read_run_id, step_path
 
 
 def test_an_uninterrupted_run_completes_and_loss_falls(reference):

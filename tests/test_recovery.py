@@ -21,11 +21,11 @@ from conftest import (
     metric_by_step,
     run_root,
 )
+from raytrain_ft.core.run_folder import RUN_ID_FILE
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.launch.driver import RunFailed, run
 from raytrain_ft.launch.tracking_server import mlflow_server
 from raytrain_ft.resilience.recovery import KILLED, recovery_rows
-from raytrain_ft.run_folder import RUN_ID_FILE
 from raytrain_ft.telemetry.plots import loss_figure
 from raytrain_ft.telemetry.tracking import MlflowRecorder
 

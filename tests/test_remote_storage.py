@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 from moto.server import ThreadedMotoServer
 
 from conftest import REPO, assert_resumed, assert_same_state, checkpoint_state, free_port
-from raytrain_ft.run_folder import step_path
+from raytrain_ft.core.run_folder import step_path
 
 
 @pytest.fixture

@@ -44,14 +44,7 @@ from conftest import (
 )
 from local_run import local_run
 from raytrain_ft.cli import main as cli
-from raytrain_ft.data.audit import read_audit
-from raytrain_ft.data.manifest import load_manifest
-from raytrain_ft.data.order import window_sample_ids
-from raytrain_ft.data.position import BatchPlan, DataPosition
-from raytrain_ft.launch.driver import run
-from raytrain_ft.resilience.recovery import KILLED, recovery_rows, replacement_rows
-from raytrain_ft.resilience.replicas import state_digest
-from raytrain_ft.run_folder import (
+from raytrain_ft.core.run_folder import (
     complete_steps,
     fault_marker,
     read_latest,
@@ -59,6 +52,13 @@ from raytrain_ft.run_folder import (
     step_path,
     worker_records,
 )
+from raytrain_ft.data.audit import read_audit
+from raytrain_ft.data.manifest import load_manifest
+from raytrain_ft.data.order import window_sample_ids
+from raytrain_ft.data.position import BatchPlan, DataPosition
+from raytrain_ft.launch.driver import run
+from raytrain_ft.resilience.recovery import KILLED, recovery_rows, replacement_rows
+from raytrain_ft.resilience.replicas import state_digest
 from raytrain_ft.telemetry.tracking import MlflowRecorder, steps_logged_since
 
 pytestmark = pytest.mark.usefixtures("ray_local")

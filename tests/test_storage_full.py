@@ -9,9 +9,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import make_config, step_dirs
-from raytrain_ft.errors import StorageFullError
+from raytrain_ft.core.errors import StorageFullError
+from raytrain_ft.core.run_folder import RUN_ID_FILE
 from raytrain_ft.launch.driver import run
-from raytrain_ft.run_folder import RUN_ID_FILE
 from raytrain_ft.telemetry.tracking import MlflowRecorder
 
 pytestmark = pytest.mark.usefixtures("ray_local")

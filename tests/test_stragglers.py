@@ -22,9 +22,9 @@ from conftest import (
     run_root,
 )
 from local_run import local_run
+from raytrain_ft.core.run_folder import step_path, write_latest
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.resilience.rebalance import proportional_split
-from raytrain_ft.run_folder import step_path, write_latest
 
 STEPS = 30
 THREE = ("scaling.num_workers=3", f"train.max_steps={STEPS}", "checkpoint.interval_steps=100")

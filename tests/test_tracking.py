@@ -18,11 +18,11 @@ from ray.train.v2._internal.execution.controller.state import RestartingState, R
 from conftest import REPO, events, make_config, run_root, run_scenario, sqlite_store, wait_for
 from local_run import local_run
 from raytrain_ft.cli import main
-from raytrain_ft.errors import ConfigError
+from raytrain_ft.core.errors import ConfigError
+from raytrain_ft.core.run_folder import read_latest, step_path
 from raytrain_ft.launch.callbacks import FailureRecorder
 from raytrain_ft.launch.recorder_actor import RemoteRecorder, close, start_recorder_actor
 from raytrain_ft.launch.tracking_server import lasting_path, mlflow_server
-from raytrain_ft.run_folder import read_latest, step_path
 from raytrain_ft.telemetry.tracking import MlflowRecorder, start_or_resume_run
 
 

@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from raytrain_ft.config import load_config
+from raytrain_ft.core.config import load_config
 from raytrain_ft.data.batches import split_passes
 from raytrain_ft.data.position import BatchPlan
-from raytrain_ft.loop import forward_backward, rank_mean_loss
 from raytrain_ft.model.parallel import build
+from raytrain_ft.training.loop import forward_backward, rank_mean_loss
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 G, M, VOCAB, SEQ = 8, 2, 64, 16

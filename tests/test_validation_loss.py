@@ -21,13 +21,13 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 from raytrain_ft.checkpoint.train_state import ModelState
-from raytrain_ft.config import load_config
+from raytrain_ft.core.config import load_config
+from raytrain_ft.core.errors import ConfigError
 from raytrain_ft.data.manifest import Manifest, Shard
 from raytrain_ft.data.position import BatchPlan
-from raytrain_ft.errors import ConfigError
 from raytrain_ft.model.parallel import build
 from raytrain_ft.telemetry.goodput import GoodputLedger
-from raytrain_ft.validation import Validation
+from raytrain_ft.training.validation import Validation
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, SEQ, N = 64, 16, 7  # 7 validation sequences: uneven over 2 ranks

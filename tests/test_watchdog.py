@@ -29,6 +29,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import assert_resumed, assert_same_state, events, final_state, make_config, run_root
+from raytrain_ft.core.run_folder import replica_final_file
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import window_sample_ids
@@ -36,7 +37,6 @@ from raytrain_ft.data.position import BatchPlan, DataPosition
 from raytrain_ft.launch.driver import run
 from raytrain_ft.resilience.recovery import failures
 from raytrain_ft.resilience.replicas import state_digest
-from raytrain_ft.run_folder import replica_final_file
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 

@@ -44,13 +44,12 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from raytrain_ft.checkpoint.fingerprint import carry_start, check_fingerprint
 from raytrain_ft.checkpoint.integrity import ChecksummedReader, ChecksummedWriter, CompleteLoadPlanner
 from raytrain_ft.checkpoint.train_state import KEY_META, RunMeta, TrainState, missing_components
-from raytrain_ft.errors import CheckpointError, CorruptCheckpointError, StorageFullError
-from raytrain_ft.resilience.waits import WaitTimeoutError
-from raytrain_ft.run_folder import complete_steps, list_step_dirs, step_of, step_path
-from raytrain_ft.session import Session
+from raytrain_ft.core.errors import CheckpointError, CorruptCheckpointError, StorageFullError
+from raytrain_ft.core.run_folder import complete_steps, list_step_dirs, step_of, step_path
+from raytrain_ft.core.waits import WaitTimeoutError
 
 if TYPE_CHECKING:
-    from raytrain_ft.telemetry.recorder import Recorder
+    from raytrain_ft.core.recorder import Recorder
 
 log = logging.getLogger(__name__)
 
@@ -379,13 +378,15 @@ def corruption_of(e: BaseException) -> CorruptCheckpointError | None:
 def restore_latest(
     checkpointer: Checkpointer,
     state: TrainState,
-    session: Session,
+    run_root: str,
+    latest: str | None,
     recorder: Recorder,
     reader_for: ReaderFor = lambda step: ChecksummedReader,
     clean: bool = True,
     from_memory: Callable[[int], tuple[int, set[str], str] | None] = lambda durable_step: None,
 ) -> tuple[int | None, set[str], str]:
-    """Delete uncommitted saves (unless `clean` is False: a live peer may be writing one, under
+    """`latest`: the checkpoint Ray committed last under `run_root` (`Session.latest_checkpoint`), or None.
+    Delete uncommitted saves (unless `clean` is False: a live peer may be writing one, under
     replica recovery), then load the newest checkpoint: the memory tier's when `from_memory(durable
     step)` loads one (`raytrain_ft.checkpoint.memory_tier.MemoryTier.restore`: never older than the
     durable one), else the committed durable one (or an older one if corrupt); `reader_for`:
@@ -394,10 +395,9 @@ def restore_latest(
     Returns the step loaded (None on a fresh start), the state keys the checkpoint held, and where it
     came from: `memory` (every rank's own node), `peer` (some rank's copy on another node), `storage`, or "".
     """
-    latest = session.latest_checkpoint()
     committed = step_of(latest) if latest else 0
     if dist.get_rank() == 0 and clean:
-        removed = cleanup(session.run_root, committed)
+        removed = cleanup(run_root, committed)
         if removed:
             log.warning("deleted incomplete or uncommitted checkpoints at steps %s", removed)
             recorder.event("uncommitted_checkpoints_deleted", steps=removed)
@@ -407,8 +407,8 @@ def restore_latest(
         return memory
     if latest is None:
         return None, set(), ""
-    older = [s for s in reversed(complete_steps(session.run_root)) if s < committed]
-    candidates = [latest] + [step_path(session.run_root, s) for s in older]
+    older = [s for s in reversed(complete_steps(run_root)) if s < committed]
+    candidates = [latest] + [step_path(run_root, s) for s in older]
     loaded, keys = checkpointer.restore(state, candidates, corrupt_recorder(recorder), reader_for)
     return (step_of(loaded) if loaded else None), keys, "storage"
 

@@ -2,17 +2,17 @@
 
 `fingerprint` is stored in every checkpoint (`train_state.RunMeta`); `check_fingerprint` compares a
 checkpoint's with the current config's, for the driver's preflight (before any worker starts,
-`raytrain_ft.preflight.check_checkpoint_compatible`) and for the restore on every rank
+`raytrain_ft.training.preflight.check_checkpoint_compatible`) and for the restore on every rank
 (`raytrain_ft.checkpoint.checkpointer.Checkpointer`), so both refuse the same resubmissions with the same line.
 """
 
 from __future__ import annotations
 
-from raytrain_ft.config import Config
+from raytrain_ft.core.config import Config
+from raytrain_ft.core.errors import CheckpointError
+from raytrain_ft.core.run_folder import step_of
+from raytrain_ft.core.schedule import extension_refusal
 from raytrain_ft.data.manifest import Manifest
-from raytrain_ft.errors import CheckpointError
-from raytrain_ft.run_folder import step_of
-from raytrain_ft.schedule import extension_refusal
 
 
 def fingerprint(cfg: Config, manifest: Manifest, num_params: int, model: dict) -> dict:
@@ -20,7 +20,7 @@ def fingerprint(cfg: Config, manifest: Manifest, num_params: int, model: dict) -
     `raytrain_ft.model.causal_lm.model_id`, a preset's name or an hf_config's type and digest) and its
     size, data, data order and LR schedule (a changed seed would re-permute a half-consumed epoch; a
     changed max_steps would stretch a cosine already half done). To train a wsd run further:
-    `raytrain-ft extend` (raytrain_ft.schedule)."""
+    `raytrain-ft extend` (raytrain_ft.core.schedule)."""
     return {
         **model,
         "num_params": num_params,
@@ -61,7 +61,7 @@ def check_fingerprint(checkpoint: str, saved: dict, current: dict) -> int | None
     Raises:
         CheckpointError: one line: any other difference ("belongs to a different model or
             dataset", each key with both values), or an extension the schedule refuses
-            (`raytrain_ft.schedule.extension_refusal`).
+            (`raytrain_ft.core.schedule.extension_refusal`).
     """
     diff = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
     if set(diff) == {"train.max_steps"}:

@@ -47,8 +47,8 @@ from raytrain_ft.checkpoint.dcp_internals import (
     StreamTransformExtension,
 )
 from raytrain_ft.checkpoint.train_state import missing_components
-from raytrain_ft.errors import CorruptCheckpointError
-from raytrain_ft.run_folder import CHECKSUM_FILE, METADATA_FILE
+from raytrain_ft.core.errors import CorruptCheckpointError
+from raytrain_ft.core.run_folder import CHECKSUM_FILE, METADATA_FILE
 
 ALGORITHM = "xxh3_64"
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from raytrain_ft.config import Config
+from raytrain_ft.core.config import Config
 
 SECONDS_PER_HOUR = 3600.0
 

@@ -47,7 +47,7 @@ from raytrain_ft.checkpoint.checkpointer import Checkpointer, WriterFactory
 from raytrain_ft.checkpoint.integrity import ChecksummedWriter
 from raytrain_ft.checkpoint.memory_copies import Keepers, RestorePlan, copy_path, peers, plan_restore
 from raytrain_ft.checkpoint.train_state import TrainState
-from raytrain_ft.errors import CheckpointError
+from raytrain_ft.core.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 

@@ -238,7 +238,7 @@ class RunMeta:
     """What must match between a checkpoint and the run loading it, plus the MLflow run id, the
     network's `transformers` config (what `raytrain-ft export` writes back) and the fingerprint's
     history: one `{"at_step", "from_max_steps", "max_steps"}` per extension of the run
-    (`raytrain_ft.schedule.extension_refusal`), oldest first."""
+    (`raytrain_ft.core.schedule.extension_refusal`), oldest first."""
 
     fingerprint: dict
     mlflow_run_id: str = ""

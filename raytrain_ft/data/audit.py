@@ -7,7 +7,7 @@ buffers them as its group's rank 0) and buffers them; at every checkpoint commit
 `sample_id`). Steps trained after the last commit of a failed attempt are never written: their
 work was rolled back. A step written by several attempts (after a fallback from a corrupt
 checkpoint) is read from the latest file: `read_audit` returns the lineage of the final model.
-`DataAudit` is a step hook (`raytrain_ft.hooks`): it records in `after_batch`.
+`DataAudit` is a step hook (`raytrain_ft.core.hooks`): it records in `after_batch`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 
-from raytrain_ft.hooks import StepHook
-from raytrain_ft.run_folder import AUDIT_DIR, run_file
+from raytrain_ft.core.hooks import StepHook
+from raytrain_ft.core.run_folder import AUDIT_DIR, run_file
 
 PAD = -1  # no sample (sample ids are >= 0)
 

@@ -11,21 +11,33 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from raytrain_ft.config import Config
+from raytrain_ft.core.config import Config
+from raytrain_ft.core.errors import ConfigError
+from raytrain_ft.core.waits import bounded
 from raytrain_ft.data.manifest import Manifest
 from raytrain_ft.data.order import steps_per_epoch
-from raytrain_ft.data.position import BatchPlan, DataPosition
-from raytrain_ft.errors import ConfigError
-from raytrain_ft.resilience.waits import bounded
+from raytrain_ft.data.position import BatchPlan, DataPosition, Share
 
-if TYPE_CHECKING:
-    from raytrain_ft.resilience.replicas import Share
-    from raytrain_ft.session import Session
+
+class BatchSource(Protocol):
+    """Where a rank's micro-batches come from: the part of `raytrain_ft.training.session.Session`
+    this module uses (Ray Data's shard on a Ray worker, the dataset's files without Ray)."""
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank (for messages)."""
+        ...
+
+    def micro_batches(
+        self, epoch: int, start: int, stop: int, plan: BatchPlan, rank: int
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """`Session.micro_batches`: the micro-batches of `rank` of `plan` for steps [start, stop) of `epoch`."""
+        ...
 
 
 def check_data_fits(cfg: Config, manifest: Manifest) -> None:
@@ -64,7 +76,7 @@ def split_passes(
 
 
 def step_batches(
-    session: Session, position: DataPosition, plan: BatchPlan, rank: int, steps_per_epoch: int
+    session: BatchSource, position: DataPosition, plan: BatchPlan, rank: int, steps_per_epoch: int
 ) -> Iterator[list]:
     """Endless iterator over steps; each item is this rank's `grad_accum_steps` passes (`split_passes`)."""
     epoch, start = position.epoch, position.consumed // plan.global_batch_size
@@ -97,7 +109,9 @@ class Batches:
     checkpoint, a rollback, a heal), or a step was not accepted (`Replicas.accepted`: the same passes
     are returned again)."""
 
-    def __init__(self, session: Session, steps_per_epoch: int, position: DataPosition, share: Share, timeout_s: float):
+    def __init__(
+        self, session: BatchSource, steps_per_epoch: int, position: DataPosition, share: Share, timeout_s: float
+    ):
         self.session, self.steps_per_epoch, self.timeout_s = session, steps_per_epoch, timeout_s
         self.stream = started(self._read(position, share))
         self.next_key: tuple = (position.epoch, position.consumed, share)

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import fsspec
 
-from raytrain_ft.errors import DataError
+from raytrain_ft.core.errors import DataError
 
 MANIFEST = "manifest.json"
 

@@ -43,9 +43,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from raytrain_ft.core.errors import ConfigError
 from raytrain_ft.data.manifest import Manifest
 from raytrain_ft.data.position import BatchPlan, DataPosition
-from raytrain_ft.errors import ConfigError
 
 
 def steps_per_epoch(manifest: Manifest, global_batch_size: int, micro_batch_size: int) -> int:

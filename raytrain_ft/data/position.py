@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raytrain_ft.errors import ConfigError
+from raytrain_ft.core.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,14 @@ def check_world_sizes(global_batch_size: int, micro_batch_size: int, world_sizes
     """
     for w in world_sizes:
         BatchPlan(global_batch_size, micro_batch_size, w)
+
+
+@dataclass(frozen=True)
+class Share:
+    """One step's batch split and this rank's place in it (`plan.span(rank)` are its sequences)."""
+
+    plan: BatchPlan
+    rank: int
 
 
 @dataclass

@@ -55,8 +55,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from raytrain_ft.core.errors import DataError
 from raytrain_ft.data.manifest import Manifest
-from raytrain_ft.errors import DataError
 
 EOS = "<|endoftext|>"  # the EOS of a trained tokenizer
 EOS_CANDIDATES = (EOS, "</s>", "<|end_of_text|>", "<eos>", "<|eos|>")

@@ -11,6 +11,7 @@ import ray
 from ray.exceptions import RayActorError
 from ray.train import ControllerError, UserCallback, WorkerGroupError
 
+from raytrain_ft.core.run_folder import write_commit_ack
 from raytrain_ft.launch.group_start import baseline_resources, short, start_timeout_s
 from raytrain_ft.launch.progress_watchdog import stopped_causes
 from raytrain_ft.launch.ray_internals import (
@@ -24,7 +25,6 @@ from raytrain_ft.launch.ray_internals import (
 )
 from raytrain_ft.launch.recorder_actor import RemoteRecorder
 from raytrain_ft.resilience.recovery import CONSEQUENCE, GROUP_START, KILLED, cause_text
-from raytrain_ft.run_folder import write_commit_ack
 
 log = logging.getLogger(__name__)
 TRACKING_TIMEOUT_S = 30.0  # the controller waits this long for each tracking call, then restarts without it

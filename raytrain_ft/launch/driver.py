@@ -14,8 +14,10 @@ from ray.exceptions import RayActorError
 from ray.train import CheckpointConfig, ControllerError, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from raytrain_ft.config import Config, to_dict
-from raytrain_ft.errors import UserError, find_user_error
+from raytrain_ft.core.config import Config, to_dict
+from raytrain_ft.core.errors import UserError, find_user_error
+from raytrain_ft.core.run_folder import read_exclusions, run_root
+from raytrain_ft.core.waits import HEALTH_CHECK_INTERVAL_S
 from raytrain_ft.launch import memory_keeper, progress_watchdog
 from raytrain_ft.launch.callbacks import CommitAcknowledger, FailureRecorder, WatchRanks, describe, plain_cause
 from raytrain_ft.launch.group_start import START_TIMEOUT_ENV, StartCleaner, baseline_resources
@@ -24,12 +26,10 @@ from raytrain_ft.launch.recorder_actor import RemoteRecorder, close, start_recor
 from raytrain_ft.launch.start_faults import StartFaultConfig, StartFaults
 from raytrain_ft.launch.tracking_server import lasting_path, tracking_credentials, tracking_store
 from raytrain_ft.launch.worker import train_func
-from raytrain_ft.preflight import problems
 from raytrain_ft.resilience.recovery import GROUP_START, cause_text, failures, root_first, who
 from raytrain_ft.resilience.replicas import LIGHTHOUSE
-from raytrain_ft.resilience.waits import HEALTH_CHECK_INTERVAL_S
-from raytrain_ft.run_folder import read_exclusions, run_root
 from raytrain_ft.telemetry.tracking import MlflowRecorder, finish_run, flatten, resolve_uri, start_or_resume_run
+from raytrain_ft.training.preflight import problems
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def cluster_resources(address: str) -> dict[str, float]:
 
 
 def preflight(cfg: Config) -> None:
-    """Catch user errors before any worker starts (`raytrain_ft.preflight.problems`, the function
+    """Catch user errors before any worker starts (`raytrain_ft.training.preflight.problems`, the function
     `raytrain-ft check` runs): raises the first problem found, a one-line `UserError`."""
     found = problems(cfg, ray.cluster_resources())
     if found:

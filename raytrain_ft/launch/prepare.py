@@ -44,6 +44,7 @@ from ray.data import Datasink
 from ray.data.datasource import WriteResult
 from tokenizers import Tokenizer
 
+from raytrain_ft.core.errors import DataError
 from raytrain_ft.data.manifest import MANIFEST, Manifest, Shard, Split, load_manifest
 from raytrain_ft.data.prepare import (
     EOS,
@@ -64,7 +65,6 @@ from raytrain_ft.data.prepare import (
     train_tokenizer,
     validation_size,
 )
-from raytrain_ft.errors import DataError
 from raytrain_ft.launch import ray_start
 
 FILES_PER_READ_TASK = 16  # files one read task interleaves: the window of the document shuffle

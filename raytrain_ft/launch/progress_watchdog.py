@@ -47,9 +47,9 @@ import fsspec
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raytrain_ft.core.run_folder import stacks_path
 from raytrain_ft.launch.recorder_actor import RemoteRecorder
 from raytrain_ft.resilience.watchdog import LIVENESS_POLL_S, Progress, Stall
-from raytrain_ft.run_folder import stacks_path
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raytrain_ft.core.recorder import Recorder
 from raytrain_ft.resilience.recovery import RunHistory
-from raytrain_ft.telemetry.recorder import Recorder
 
 if TYPE_CHECKING:
     from raytrain_ft.telemetry.tracking import MlflowRecorder
@@ -39,7 +39,8 @@ class RecorderActor:
     actor itself restarted) and then kept up to date by every event recorded here."""
 
     def __init__(self, uri: str, run_id: str, timeout_s: float = 30.0):
-        from raytrain_ft.telemetry.tracking import MlflowRecorder, Outbox, bound_requests  # MLflow: in this actor only
+        from raytrain_ft.telemetry.outbox import Outbox, bound_requests  # MLflow: in this actor only
+        from raytrain_ft.telemetry.tracking import MlflowRecorder
 
         bound_requests(timeout_s)  # each request gives up after `timeout_s`; the outbox retries
         first = MlflowRecorder(uri, run_id, timeout_s=timeout_s)
@@ -73,7 +74,7 @@ class RecorderActor:
         return self.run_history
 
     def held(self) -> int:
-        """Records not yet taken by the tracking store (`tracking.Outbox.held`)."""
+        """Records not yet taken by the tracking store (`outbox.Outbox.held`)."""
         return self.recorder.outbox.held()
 
     def drain(self, timeout_s: float) -> bool:

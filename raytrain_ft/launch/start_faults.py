@@ -21,10 +21,10 @@ import signal
 import ray
 from ray.train.torch import TorchConfig
 
-from raytrain_ft.fault_spec import FaultSpec
+from raytrain_ft.core.fault_spec import FaultSpec
+from raytrain_ft.core.run_folder import read_commit_ack, step_of
 from raytrain_ft.launch.ray_internals import TorchBackend, WorkerGroupCallback
 from raytrain_ft.resilience.faults import mark, start_faults_due
-from raytrain_ft.run_folder import read_commit_ack, step_of
 
 
 def _die() -> None:

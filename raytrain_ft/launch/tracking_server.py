@@ -35,7 +35,7 @@ from collections.abc import Iterator
 
 import ray
 
-from raytrain_ft.errors import ConfigError, UserError
+from raytrain_ft.core.errors import ConfigError, UserError
 from raytrain_ft.telemetry.tracking import resolve_uri
 
 RAY_WORKING_DIR_MARK = os.sep + os.path.join("runtime_resources", "working_dir_files") + os.sep

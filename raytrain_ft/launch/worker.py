@@ -11,9 +11,10 @@ import ray
 import ray.train
 from ray.train import Checkpoint, CheckpointUploadMode
 
-from raytrain_ft import loop
 from raytrain_ft.checkpoint.checkpointer import prune
-from raytrain_ft.config import from_dict
+from raytrain_ft.core.config import from_dict
+from raytrain_ft.core.run_folder import read_commit_ack, read_latest, step_of, write_latest, write_worker_record
+from raytrain_ft.core.waits import wait_for
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.launch.datasource import rank_micro_batches
@@ -23,14 +24,13 @@ from raytrain_ft.launch.recorder_actor import WAIT_TIMEOUT_S, RemoteRecorder
 from raytrain_ft.resilience.preemption import Notice
 from raytrain_ft.resilience.recovery import RunHistory
 from raytrain_ft.resilience.replicas import REPLACEMENT_ENV
-from raytrain_ft.resilience.waits import wait_for
-from raytrain_ft.run_folder import read_commit_ack, read_latest, step_of, write_latest, write_worker_record
+from raytrain_ft.training import loop
 
 log = logging.getLogger(__name__)
 
 
 class RaySession:
-    """`raytrain_ft.session.Session` for a Ray Train worker."""
+    """`raytrain_ft.training.session.Session` for a Ray Train worker."""
 
     def __init__(
         self,

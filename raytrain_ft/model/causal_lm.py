@@ -32,8 +32,8 @@ from transformers import (
     PreTrainedModel,
 )
 
-from raytrain_ft.config import ModelSection
-from raytrain_ft.errors import ConfigError
+from raytrain_ft.core.config import ModelSection
+from raytrain_ft.core.errors import ConfigError
 
 # hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size
 PRESETS: dict[str, tuple[int, int, int, int, int]] = {

@@ -36,9 +36,9 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from raytrain_ft.checkpoint.integrity import verify_checkpoint
 from raytrain_ft.checkpoint.reader import CheckpointReader
 from raytrain_ft.checkpoint.train_state import KEY_MODEL, RunMeta, tied_names
+from raytrain_ft.core.errors import CheckpointError, DataError, UserError
+from raytrain_ft.core.run_folder import complete_steps, step_path
 from raytrain_ft.data.manifest import load_manifest
-from raytrain_ft.errors import CheckpointError, DataError, UserError
-from raytrain_ft.run_folder import complete_steps, step_path
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # huggingface_hub's default; transformers 5's save_pretrained uses 50GB
 SHARD_PATTERN = "model{suffix}.safetensors"  # huggingface_hub.constants.SAFETENSORS_WEIGHTS_FILE_PATTERN

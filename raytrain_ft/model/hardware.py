@@ -6,9 +6,9 @@ A100 312 TFLOP/s (40 or 80 GB), H100 989 TFLOP/s (80 GB), H200 989 TFLOP/s (141 
 
 from __future__ import annotations
 
-from raytrain_ft.config import ScalingSection
+from raytrain_ft.core.config import ScalingSection
 
-# gpu_type -> (memory in GiB, peak dense bf16 TFLOP/s); keys = raytrain_ft.config.GPU_TYPES
+# gpu_type -> (memory in GiB, peak dense bf16 TFLOP/s); keys = raytrain_ft.core.config.GPU_TYPES
 GPUS: dict[str, tuple[float, float]] = {
     "A100-40GB": (40.0, 312.0),
     "A100-80GB": (80.0, 312.0),

@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from raytrain_ft.config import Config, ModelSection
-from raytrain_ft.errors import ConfigError
+from raytrain_ft.core.config import Config, ModelSection
+from raytrain_ft.core.errors import ConfigError
 from raytrain_ft.model.causal_lm import build_model, decoder_layers, model_name
 from raytrain_ft.model.hardware import device_memory_gib
 from raytrain_ft.model.parallel import mesh_shape, resolve_strategy

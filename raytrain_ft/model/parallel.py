@@ -50,8 +50,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from raytrain_ft.config import Config, ParallelSection
-from raytrain_ft.errors import ConfigError
+from raytrain_ft.core.config import Config, ParallelSection
+from raytrain_ft.core.errors import ConfigError
 from raytrain_ft.model.causal_lm import build_model, decoder_layers, lm_loss
 from raytrain_ft.model.pretrained import load_pretrained
 

@@ -27,9 +27,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from raytrain_ft.config import ModelSection
+from raytrain_ft.core.config import ModelSection
+from raytrain_ft.core.errors import ConfigError
 from raytrain_ft.data.manifest import Manifest
-from raytrain_ft.errors import ConfigError
 
 TOKENIZER_FILE = "tokenizer.json"
 

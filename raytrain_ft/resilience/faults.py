@@ -46,7 +46,7 @@ index, `Session.rank`). Each fault fires once per run: the firing rank writes
 rollback) passes it; `slow`, `slow_save` and `slow_restore` are properties of the machine and fire on
 every pass.
 
-The injector is a step hook (`raytrain_ft.hooks`): `raise`/`kill` fire in `before_step` (at `save`:
+The injector is a step hook (`raytrain_ft.core.hooks`): `raise`/`kill` fire in `before_step` (at `save`:
 in `after_save_started`; at `write` and `metadata`: in the writer `writer_for` hands the checkpointer),
 `bitflip` and `hang` in `after_optimizer_step`; `freeze` in `reader_for`, `before_reduce` or
 `after_save_started` (its `at`). `loss_factor`, `slow_down`, `before_reduce`, `writer_for`,
@@ -78,10 +78,10 @@ import torch
 
 from raytrain_ft.checkpoint.checkpointer import WriterFactory
 from raytrain_ft.checkpoint.integrity import ChecksummedReader, ChecksummedWriter
-from raytrain_ft.fault_spec import FaultSpec
-from raytrain_ft.hooks import StepHook, StepResult
+from raytrain_ft.core.fault_spec import FaultSpec
+from raytrain_ft.core.hooks import StepHook, StepResult
+from raytrain_ft.core.run_folder import fault_marker
 from raytrain_ft.resilience.storage_faults import CutWriter, SlowReader, SlowWriter
-from raytrain_ft.run_folder import fault_marker
 
 SAVE_FAULT_DELAY_S = 3.0  # a fault at `save` comes 0.5 s after the save started: well inside the write
 

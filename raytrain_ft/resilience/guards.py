@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from raytrain_ft.config import GuardsSection
+from raytrain_ft.core.config import GuardsSection
 
 if TYPE_CHECKING:
+    from raytrain_ft.core.recorder import Recorder
     from raytrain_ft.model.parallel import Parallel
-    from raytrain_ft.telemetry.recorder import Recorder
 
 log = logging.getLogger(__name__)
 

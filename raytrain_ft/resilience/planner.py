@@ -32,7 +32,7 @@ the recovery (a node taking its neighbours, a flapping switch): `restart` pays t
   committing `memory_save_s` after its start (local copy and peer copy verified). The memory
   clock starts at each durable save, and a memory save that would fall on a durable save is
   skipped (the durable save's stall takes the same snapshot; one stall, not two): `Schedule`. The
-  loop (`raytrain_ft.loop`) also takes only the durable save at a step where both are due, but its
+  loop (`raytrain_ft.training.loop`) also takes only the durable save at a step where both are due, but its
   memory clock does not restart at durable saves (under `checkpoint.memory.interval: auto` the
   memory save comes a step later): at most one memory save per durable interval apart. A
   failure loses the work since the newest committed checkpoint of either tier. A restore from

@@ -24,7 +24,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from raytrain_ft.telemetry.recorder import Recorder
+from raytrain_ft.core.recorder import Recorder
 
 log = logging.getLogger(__name__)
 

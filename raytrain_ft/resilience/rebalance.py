@@ -30,9 +30,8 @@ from __future__ import annotations
 
 import logging
 
-from raytrain_ft.data.position import BatchPlan, DataPosition
-from raytrain_ft.hooks import StepHook, StepResult
-from raytrain_ft.resilience.replicas import Share
+from raytrain_ft.core.hooks import StepHook, StepResult
+from raytrain_ft.data.position import BatchPlan, DataPosition, Share
 from raytrain_ft.resilience.straggler import Straggler, StragglerDetector
 
 log = logging.getLogger(__name__)

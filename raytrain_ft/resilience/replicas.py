@@ -86,14 +86,14 @@ import xxhash
 from torch.distributed.checkpoint.stateful import Stateful
 
 from raytrain_ft.checkpoint.train_state import KEY_GUARDS, KEY_META, KEY_MODEL, KEY_OPTIM, TrainState
-from raytrain_ft.config import Config
-from raytrain_ft.data.position import BatchPlan
+from raytrain_ft.core.config import Config
+from raytrain_ft.core.recorder import Recorder
+from raytrain_ft.core.run_folder import replica_final_file
+from raytrain_ft.core.waits import LIGHTHOUSE_JOIN_S
+from raytrain_ft.data.position import BatchPlan, Share
 from raytrain_ft.model.parallel import Parallel
 from raytrain_ft.resilience.guards import SkipDisagreementError
 from raytrain_ft.resilience.straggler import StragglerExcluded
-from raytrain_ft.resilience.waits import LIGHTHOUSE_JOIN_S
-from raytrain_ft.run_folder import replica_final_file
-from raytrain_ft.telemetry.recorder import Recorder
 
 log = logging.getLogger(__name__)
 
@@ -123,14 +123,6 @@ class Agreement(NamedTuple):
     before_save: bool
     leaving: int
     figures: tuple[float, ...]
-
-
-@dataclass(frozen=True)
-class Share:
-    """One step's batch split and this rank's place in it (`plan.span(rank)` are its sequences)."""
-
-    plan: BatchPlan
-    rank: int
 
 
 def agreed_row(values: list[float], compute_s: float, share: Share) -> torch.Tensor:

@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from raytrain_ft.checkpoint.checkpointer import Checkpointer
 from raytrain_ft.checkpoint.train_state import KEY_DATA, KEY_PROGRESS, KEY_ROLLBACKS, Pickled, TrainState
-from raytrain_ft.config import Config
+from raytrain_ft.core.config import Config
+from raytrain_ft.core.recorder import Recorder
+from raytrain_ft.core.run_folder import complete_steps, step_path
 from raytrain_ft.data.manifest import Manifest
 from raytrain_ft.data.order import steps_per_epoch, window_sample_ids
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.resilience.guards import NoRollbackTargetError
-from raytrain_ft.run_folder import complete_steps, step_path
-from raytrain_ft.session import Session
-from raytrain_ft.telemetry.goodput import GoodputLedger
-from raytrain_ft.telemetry.recorder import Recorder
+from raytrain_ft.resilience.recovery import RunHistory
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,10 @@ class Rollback:
     `state` (`raytrain_ft.checkpoint.train_state.run_state`) holds the live `Progress`,
     `DataPosition` and `RollbackLog` the loop reads: the reload restores the first two in place; the
     rollback log is kept out of the reload (it outlives it) and gains the rollback's record.
-    `recorder` moves the steps after the reloaded one to `train_discarded/`; `ledger` (reloaded with
-    the state) gains their seconds and the reload's."""
+    `recorder` moves the steps after the reloaded one to `train_discarded/`; `add_gap(events, now,
+    fresh)` (the goodput ledger's, reloaded with the state: `raytrain_ft.telemetry.goodput.GoodputLedger`)
+    gains their seconds and the reload's; `history()` is the run's past (`Session.history`) and
+    `run_root` its folder."""
 
     def __init__(
         self,
@@ -49,14 +51,15 @@ class Rollback:
         plan: BatchPlan,
         checkpointer: Checkpointer,
         state: TrainState,
-        session: Session,
+        run_root: str,
+        history: Callable[[], RunHistory],
         recorder: Recorder,
-        ledger: GoodputLedger,
+        add_gap: Callable[[list[dict], float, bool], None],
     ):
         self.cfg, self.manifest, self.plan = cfg, manifest, plan
-        self.recorder, self.ledger = recorder, ledger
+        self.recorder, self.add_gap, self.history = recorder, add_gap, history
         self.steps_per_epoch = steps_per_epoch(manifest, plan.global_batch_size, plan.micro_batch_size)
-        self.checkpointer, self.state, self.session = checkpointer, state, session
+        self.checkpointer, self.state, self.run_root = checkpointer, state, run_root
         self.progress, self.position, self.rollbacks = (self._live(k) for k in (KEY_PROGRESS, KEY_DATA, KEY_ROLLBACKS))
 
     def _live(self, key: str):
@@ -74,16 +77,16 @@ class Rollback:
             NoRollbackTargetError: no complete checkpoint of a step before the streak.
         """
         first_bad = step - consecutive + 1
-        before = [s for s in complete_steps(self.session.run_root) if s < first_bad]
+        before = [s for s in complete_steps(self.run_root) if s < first_bad]
         if not before:
             raise NoRollbackTargetError(
                 f"{consecutive} skipped steps in a row and no checkpoint before step {first_bad}"
             )
-        history = self.session.history()  # every rank before the (collective) restore: before rank 0 adds to it
+        history = self.history()  # every rank before the (collective) restore: before rank 0 adds to it
         restore_started_at = time.time()
         keep = self.state.components.pop(KEY_ROLLBACKS)  # the rollback record survives the reload
         try:
-            self.checkpointer.restore(self.state, [step_path(self.session.run_root, before[-1])], lambda p, r: None)
+            self.checkpointer.restore(self.state, [step_path(self.run_root, before[-1])], lambda p, r: None)
         finally:
             self.state.add(KEY_ROLLBACKS, keep)
         c, window = self.cfg, self.cfg.guards.spike.skip_window_steps
@@ -110,4 +113,4 @@ class Rollback:
         self.recorder.event("rollback", **event)
         self.recorder.metrics(step, {"rollbacks": len(self.rollbacks.rollbacks)})
         # the reloaded ledger ends at the checkpoint: account for the discarded steps and the reload
-        self.ledger.add_gap(history.events, time.time(), fresh=False)
+        self.add_gap(history.events, time.time(), False)

@@ -36,7 +36,7 @@ step waits for it in the gradient all-reduce. Three parts, each rank running all
   `min_slow_steps` (k) of the last `window` (n) steps, and recovered when fast in k of the steps
   after its flag, fast judged against the others' lower-bound prediction (`StragglerDetector`).
 
-Defaults (`raytrain_ft.config.StragglerSection`: threshold 1.5, k = 6 of n = 10), from measured
+Defaults (`raytrain_ft.core.config.StragglerSection`: threshold 1.5, k = 6 of n = 10), from measured
 runs of the tests' tiny model (a few milliseconds of compute per sequence) at 3 ranks on the 2-core
 development machine while six other jobs shared it (load average 30-80): in the 10 healthy steps
 before a factor-2 `slow` fault the ratio of a rank's figure to the others' median reached 4.6, and
@@ -67,10 +67,10 @@ from dataclasses import dataclass
 
 import torch
 
-from raytrain_ft.config import Config
-from raytrain_ft.hooks import StepHook, StepResult
-from raytrain_ft.run_folder import record_exclusion
-from raytrain_ft.telemetry.recorder import Recorder
+from raytrain_ft.core.config import Config
+from raytrain_ft.core.hooks import StepHook, StepResult
+from raytrain_ft.core.recorder import Recorder
+from raytrain_ft.core.run_folder import record_exclusion
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +291,7 @@ def exclusion(cfg: Config) -> Exclusion | None:
 
 
 class StragglerMonitor(StepHook):
-    """The step hook (`raytrain_ft.hooks`) that judges each committed step's figures
+    """The step hook (`raytrain_ft.core.hooks`) that judges each committed step's figures
     (`StepResult.compute_s_per_seq`; `step_metrics` logs them). A flagged member records a
     `straggler` event itself (`own_recorder`: its run rank, node, factor, first step, the action
     taken) and a recovered one `straggler_recovered`; every rank logs a warning. `split_rank()`:

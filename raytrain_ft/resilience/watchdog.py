@@ -42,7 +42,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from raytrain_ft.hooks import StepHook
+from raytrain_ft.core.hooks import StepHook
 
 STEP_FACTOR = 10
 MIN_STEP_TIMEOUT_S = 300.0

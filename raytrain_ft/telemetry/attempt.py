@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import time
 
+from raytrain_ft.core.recorder import Recorder
 from raytrain_ft.resilience.recovery import RunHistory
 from raytrain_ft.telemetry.goodput import GoodputLedger
-from raytrain_ft.telemetry.recorder import Recorder
 
 
 class AttemptRecord:

@@ -6,7 +6,7 @@ Wall time runs from the MLflow run's creation (the first submission) to now. The
 
 * `productive`: steps on the kept timeline whose update was applied, checkpoint stalls and
   validation excluded;
-* `validation`: held-out validation (`raytrain_ft.validation`) on the kept timeline: not training
+* `validation`: held-out validation (`raytrain_ft.training.validation`) on the kept timeline: not training
   progress, so not productive, and not a fault either; reported as `badput_validation_s` with the
   parts below so that every bucket sums to the wall time;
 * badput (`PARTS`):
@@ -26,7 +26,7 @@ Wall time runs from the MLflow run's creation (the first submission) to now. The
     replacement's own start runs beside them, so it is no wall time of its own: the recovery
     history's replacement rows give its seconds (`raytrain_ft.resilience.recovery.replacement_rows`).
 
-Per step, `StepAccount` (a step hook, `raytrain_ft.hooks`) adds the step to rank 0's ledger.
+Per step, `StepAccount` (a step hook, `raytrain_ft.core.hooks`) adds the step to rank 0's ledger.
 The ledger is part of the checkpoint (rank 0 only), so after a restore it covers the kept timeline
 up to that checkpoint's snapshot. The time from there to now is classified by `classify_gap` from
 the run's events (`raytrain_ft.resilience.recovery`): `failure` (controller), `attempt_start` (with
@@ -40,7 +40,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from raytrain_ft.hooks import StepHook, StepResult
+from raytrain_ft.core.hooks import StepHook, StepResult
 
 GAP_PARTS = ("checkpoint_stall", "skipped_steps", "lost_work", "restart_downtime", "restore", "hang", "startup")
 PARTS = ("validation", *GAP_PARTS, "replacement")  # validation and replacement are only measured while training

@@ -1,7 +1,7 @@
 """What every optimizer step reports: loss, learning rate, grad norm, throughput, MFU, skips.
 
-`StepMetrics` is a step hook (`raytrain_ft.hooks`) on every rank; each records through its
-`Recorder` (`raytrain_ft.telemetry.recorder`: rank 0's records, the others' is a `NullRecorder`) each step in
+`StepMetrics` is a step hook (`raytrain_ft.core.hooks`) on every rank; each records through its
+`Recorder` (`raytrain_ft.core.recorder`: rank 0's records, the others' is a `NullRecorder`) each step in
 the run's timeline (`raytrain_ft.telemetry.timeline`: `loss`, `lr`,
 `grad_norm`, `tokens_per_s`, `tokens_per_s_per_device`, `mfu` on GPU, `step_time_s`, `epoch`,
 `checkpoint_stall_s`, `compute_s_per_seq_rank<r>` (each member's compute seconds per sequence,
@@ -26,13 +26,13 @@ from collections import deque
 
 import torch
 
-from raytrain_ft.config import Config
+from raytrain_ft.core.config import Config
+from raytrain_ft.core.hooks import StepHook, StepResult
+from raytrain_ft.core.recorder import Recorder
 from raytrain_ft.data.position import BatchPlan, DataPosition
-from raytrain_ft.hooks import StepHook, StepResult
 from raytrain_ft.model.causal_lm import flops_per_token
 from raytrain_ft.model.hardware import peak_flops_per_device
 from raytrain_ft.resilience.guards import SpikeGuard
-from raytrain_ft.telemetry.recorder import Recorder
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ shows one section per prefix before the `/`, sorted by name, above the section o
 metrics; `train` sorts before `train_discarded` and `train_live`, so the kept timeline is the first
 section (checked in a real browser: `scripts/check_mlflow_ui.py`).
 
-All logging goes through the recorder's `tracking.Outbox` (one background thread, in order, held
+All logging goes through the recorder's `outbox.Outbox` (one background thread, in order, held
 while the store is unreachable, `MAX_BATCH` values per request), so a slow or absent tracking
 server never blocks a training step.
 
@@ -38,7 +38,7 @@ from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
 if TYPE_CHECKING:
-    from raytrain_ft.telemetry.tracking import Outbox
+    from raytrain_ft.telemetry.outbox import Outbox
 
 KEPT, LIVE, DISCARDED = "train/", "train_live/", "train_discarded/"
 MAX_BATCH = 1000  # MLflow's limit on metrics per log_batch request

@@ -35,23 +35,18 @@ import torch.multiprocessing as mp
 
 from raytrain_ft.checkpoint.checkpointer import Checkpointer, restore_latest
 from raytrain_ft.checkpoint.train_state import KEY_META, KEY_MODEL, ModelState, RunMeta, TrainState
+from raytrain_ft.core.recorder import NullRecorder
+from raytrain_ft.core.run_folder import step_path
 from raytrain_ft.resilience.storage_faults import SlowWriter
-from raytrain_ft.run_folder import step_path
-from raytrain_ft.telemetry.recorder import NullRecorder
 
 WORLD_SIZE = 2
 FSIZE_LIMIT = 4096  # bytes: below each rank's own 64x64 float32 weight (16 KiB in its DCP file)
 
 
-class FileSession:
-    """The two members of `Session` that `restore_latest` uses: the run folder and the committed path."""
-
-    def __init__(self, run_root: str):
-        self.run_root = run_root
-
-    def latest_checkpoint(self) -> str | None:
-        path = os.path.join(self.run_root, "latest")
-        return open(path).read() if os.path.exists(path) else None
+def latest_checkpoint(run_root: str) -> str | None:
+    """The committed path, as the session would give it."""
+    path = os.path.join(run_root, "latest")
+    return open(path).read() if os.path.exists(path) else None
 
 
 def make_state(rank: int, seed: int) -> TrainState:
@@ -119,7 +114,7 @@ def worker(rank: int, store: str, out: str) -> None:
     dist.barrier()
 
     restored = make_state(rank, seed=100)  # a restarted rank: other weights until the load
-    loaded, _, _ = restore_latest(Checkpointer(root), restored, FileSession(root), NullRecorder())
+    loaded, _, _ = restore_latest(Checkpointer(root), restored, root, latest_checkpoint(root), NullRecorder())
     result = {
         "first_error": first_error,
         "committed": committed,

@@ -25,10 +25,10 @@ import ray
 from ray.cluster_utils import Cluster
 from scenarios.local_cluster import HEAD_NODE_ARGS
 
-from raytrain_ft.config import Config, load_config
+from raytrain_ft.core.config import Config, load_config
+from raytrain_ft.core.run_folder import read_latest, step_of, worker_records
 from raytrain_ft.launch.driver import WORKER_ENV, run
 from raytrain_ft.launch.ray_start import RAY_NODE_ENV
-from raytrain_ft.run_folder import read_latest, step_of, worker_records
 from raytrain_ft.telemetry.tracking import MlflowRecorder
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -25,10 +25,10 @@ import time
 import ray
 from ray.cluster_utils import Cluster
 
-from raytrain_ft.config import Config, load_config
+from raytrain_ft.core.config import Config, load_config
+from raytrain_ft.core.run_folder import read_exclusions, run_root, worker_records
 from raytrain_ft.launch.driver import WORKER_ENV, run
 from raytrain_ft.launch.ray_start import RAY_NODE_ENV
-from raytrain_ft.run_folder import read_exclusions, run_root, worker_records
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SLOW_S, SLOW_STEPS, EXCLUDE_AFTER, PACE_S = 0.3, 14, 3, 0.5

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
+from raytrain_ft.core.errors import ConfigError
 from raytrain_ft.data.batches import split_passes
 from raytrain_ft.data.position import BatchPlan, check_world_sizes
-from raytrain_ft.errors import ConfigError
 
 
 def step_of(g: int, m: int) -> list[dict[str, torch.Tensor]]:

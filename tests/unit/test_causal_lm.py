@@ -11,7 +11,7 @@ import torch
 
 from conftest import REPO
 from raytrain_ft.checkpoint.train_state import tied_names
-from raytrain_ft.config import ModelSection
+from raytrain_ft.core.config import ModelSection
 from raytrain_ft.model.causal_lm import build_model, decoder_layers, flops_per_token, model_id
 
 MODELS = os.path.join(REPO, "configs", "models")

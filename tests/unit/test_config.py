@@ -1,7 +1,7 @@
 import pytest
 
-from raytrain_ft.config import from_dict, load_config, to_dict, valid_keys
-from raytrain_ft.errors import ConfigError
+from raytrain_ft.core.config import from_dict, load_config, to_dict, valid_keys
+from raytrain_ft.core.errors import ConfigError
 
 
 def test_defaults_and_overrides_merge():

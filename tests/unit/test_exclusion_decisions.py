@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from conftest import REPO
-from raytrain_ft.config import ConfigError, load_config
+from raytrain_ft.core.config import ConfigError, load_config
+from raytrain_ft.core.run_folder import read_exclusions, record_exclusion
 from raytrain_ft.launch.driver import without_nodes
 from raytrain_ft.resilience.straggler import Exclusion, Straggler, StragglerDetector, exclusion
-from raytrain_ft.run_folder import read_exclusions, record_exclusion
 
 HEALTHY, RANK2_SLOW = [1.0, 1.0, 1.0], [1.0, 1.0, 3.0]
 

@@ -20,7 +20,7 @@ from raytrain_ft.checkpoint.integrity import ChecksummedWriter
 from raytrain_ft.checkpoint.reader import CheckpointReader, load_model_state_dict
 from raytrain_ft.checkpoint.train_state import KEY_META, KEY_MODEL, KEY_PROGRESS, Pickled, Progress
 from raytrain_ft.cli import main
-from raytrain_ft.errors import CheckpointError, DataError, UserError
+from raytrain_ft.core.errors import CheckpointError, DataError, UserError
 from raytrain_ft.model.export import INDEX_FILE, export_checkpoint
 from raytrain_ft.telemetry.tracking import start_or_resume_run
 

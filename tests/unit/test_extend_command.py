@@ -15,7 +15,7 @@ from conftest import events
 from raytrain_ft.checkpoint.integrity import ChecksummedWriter
 from raytrain_ft.checkpoint.train_state import KEY_META, RunMeta
 from raytrain_ft.cli import main
-from raytrain_ft.run_folder import read_extensions, step_path
+from raytrain_ft.core.run_folder import read_extensions, step_path
 from raytrain_ft.telemetry.tracking import start_or_resume_run
 
 WSD_20 = {"train.max_steps": 20, "train.lr_schedule": "wsd", "train.decay_steps": 4, "train.warmup_steps": 5}

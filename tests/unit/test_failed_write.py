@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from raytrain_ft.checkpoint.checkpointer import Checkpointer
 from raytrain_ft.checkpoint.integrity import ChecksummedWriter
 from raytrain_ft.checkpoint.train_state import KEY_MODEL, ModelState, TrainState
-from raytrain_ft.errors import StorageFullError
+from raytrain_ft.core.errors import StorageFullError
 
 
 def failing_writer(error: BaseException) -> type[ChecksummedWriter]:

@@ -14,13 +14,13 @@ from mlflow.entities import Metric
 from conftest import REPO, sqlite_store
 from raytrain_ft.checkpoint.interval import daly_interval_s, expected_waste_fraction, young_interval_s
 from raytrain_ft.cli import main
-from raytrain_ft.config import load_config
-from raytrain_ft.preflight import goodput_projection
+from raytrain_ft.core.config import load_config
 from raytrain_ft.resilience import planner
 from raytrain_ft.resilience.planner import Cluster, Costs, Month
 from raytrain_ft.resilience.recovery import KILLED
 from raytrain_ft.resilience.replicas import LIGHTHOUSE
 from raytrain_ft.telemetry.tracking import MlflowRecorder, start_or_resume_run
+from raytrain_ft.training.preflight import goodput_projection
 
 REFERENCE = Cluster(gpus=1_000, mtbf_hours=10_000.0)  # cluster MTBF 36,000 s (docs/fault-tolerance.md)
 BENCHMARKS = sorted(glob.glob(os.path.join(REPO, "benchmarks", "results", "goodput*.json")))  # every committed run
@@ -175,7 +175,7 @@ def test_plan_goodput_from_run_takes_the_costs_the_run_measured(tmp_path, capsys
         rec.event(**{"world_size": 2, "step_time_s": 10.0, **e})
     # the survivors' committed steps (`last_step`, ms timestamps): step 41 at 25 s after the failure
     rec.client.log_batch(run_id, metrics=[Metric("last_step", 41, int((t0 + 525) * 1000), 41)])
-    assert rec.drain(30.0)  # the recorder sends in the background (`tracking.Outbox`)
+    assert rec.drain(30.0)  # the recorder sends in the background (`outbox.Outbox`)
     assert main(["plan-goodput", "--from-run", "measured", "--tracking-uri", uri, "--repetitions", "20"]) == 0
     out = capsys.readouterr().out
     assert "checkpoint_s 3 (run), save_s 40 (run), restart_s 40 (run), rejoin_s 90 (run), step_s 10 (run)" in out

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from raytrain_ft.config import GuardsSection
+from raytrain_ft.core.config import GuardsSection
+from raytrain_ft.core.recorder import NullRecorder
 from raytrain_ft.resilience.faults import flip_bit
 from raytrain_ft.resilience.guards import (
     GuardError,
@@ -23,7 +24,6 @@ from raytrain_ft.resilience.guards import (
     replica_mismatch,
     spread_alert,
 )
-from raytrain_ft.telemetry.recorder import NullRecorder
 
 
 def test_a_spike_is_judged_only_after_warmup_and_against_the_median_of_the_window():

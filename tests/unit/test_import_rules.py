@@ -1,4 +1,8 @@
-"""Where Ray may be imported, read from every module's syntax tree (nothing is imported or run).
+"""Where Ray may be imported, and which way the package's layers depend, read from every module's
+syntax tree (nothing is imported or run).
+
+- The layers (`LAYERS`, bottom first): a module imports only modules of its own layer and below,
+  and no modules import each other in a circle.
 
 - Ray (`ray`, `ray.*`) only under `raytrain_ft/launch/`: the loop, the checkpoints, the data rules,
   the run folder and the telemetry run without Ray (`torchrun`, `raytrain-ft check`, the benchmarks).
@@ -150,3 +154,71 @@ def test_the_drivers_actors_import_no_torch():
     for actor_module in ("raytrain_ft.launch.progress_watchdog", "raytrain_ft.launch.recorder_actor"):
         assert torch_in(actor_module) == [], actor_module
     assert "raytrain_ft.launch.ray_internals" in torch_in("raytrain_ft.launch.callbacks")  # the check sees it
+
+
+# The sub-packages, bottom first: each may import only its own modules and those of the packages
+# before it (docs/architecture.md shows the same order). The package root holds `cli` alone.
+LAYERS = ("core", "data", "checkpoint", "model", "resilience", "telemetry", "training", "launch", "cli")
+
+
+def layer(module: str) -> str | None:
+    """The layer of a `raytrain_ft` module name (`raytrain_ft.core.errors` -> `core`); None outside the package."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "raytrain_ft" and len(parts) > 1 else None
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(REPO).with_suffix("")
+    return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+
+
+def package_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import of a `raytrain_ft` module in `path`, at any depth (TYPE_CHECKING
+    and function-level imports too: they are dependencies all the same); `from raytrain_ft.x import y`
+    counts as `raytrain_ft.x.y` when that is a module."""
+    found = []
+    for line, module, names in imports(path):
+        if layer(module) is None and module != "raytrain_ft":
+            continue
+        found.append((line, module))
+        for name in names:
+            sub = Path(PACKAGE.parent, *f"{module}.{name}".split("."))
+            if sub.with_suffix(".py").exists() or (sub / "__init__.py").exists():
+                found.append((line, f"{module}.{name}"))
+    return found
+
+
+def test_the_package_root_holds_the_layers_and_the_cli_only():
+    root = {p.stem for p in PACKAGE.glob("*.py")} | {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert root == set(LAYERS), sorted(root ^ set(LAYERS))
+
+
+def test_no_import_runs_up_the_layers():
+    upward = []
+    for path in modules():
+        own = layer(module_name(path))
+        for line, module in package_imports(path):
+            target = layer(module)
+            if own in LAYERS and target in LAYERS and LAYERS.index(target) > LAYERS.index(own):
+                upward.append(f"{path.relative_to(REPO)}:{line} ({own}) imports {module} ({target})")
+    assert not upward, "imports up the layers (" + " < ".join(LAYERS) + "): " + "; ".join(upward)
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    graph = {module_name(p): {m for _, m in package_imports(p)} for p in modules()}
+    graph = {m: {t for t in targets if t in graph and t != m} for m, targets in graph.items()}
+    circles, state = [], dict.fromkeys(graph, 0)  # 0 unseen, 1 on the current path, 2 done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for t in sorted(graph[m]):
+            if state[t] == 1:
+                circles.append(" -> ".join([*path[path.index(t) :], t]))
+            elif state[t] == 0:
+                visit(t, [*path, t])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if state[m] == 0:
+            visit(m, [m])
+    assert not circles, "import circles: " + "; ".join(circles)

@@ -35,9 +35,9 @@ from raytrain_ft.checkpoint.train_state import (
     missing_components,
     rng_key,
 )
+from raytrain_ft.core.errors import CheckpointError
+from raytrain_ft.core.run_folder import CHECKSUM_FILE, step_path
 from raytrain_ft.data.position import DataPosition
-from raytrain_ft.errors import CheckpointError
-from raytrain_ft.run_folder import CHECKSUM_FILE, step_path
 
 
 class Run:

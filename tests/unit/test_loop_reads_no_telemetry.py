@@ -1,6 +1,6 @@
 """The loop writes to its recorder and never decides from it (issue: telemetry is a sink).
 
-Read from the syntax trees of `raytrain_ft/loop.py` and of the modules holding the rest of
+Read from the syntax trees of `raytrain_ft/training/loop.py` and of the modules holding the rest of
 `Trainer`'s code (its construction, `run_components`; its attempt record, `telemetry.attempt`; its
 members leaving after a step, `resilience.leaving`), so a branch that comes back is red without a
 run: no `if`/`while`/conditional expression/`and`/`or` tests a recorder, and nothing calls a
@@ -13,12 +13,17 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import raytrain_ft.loop
 import raytrain_ft.resilience.leaving
-import raytrain_ft.run_components
 import raytrain_ft.telemetry.attempt
+import raytrain_ft.training.loop
+import raytrain_ft.training.run_components
 
-MODULES = (raytrain_ft.loop, raytrain_ft.run_components, raytrain_ft.telemetry.attempt, raytrain_ft.resilience.leaving)
+MODULES = (
+    raytrain_ft.training.loop,
+    raytrain_ft.training.run_components,
+    raytrain_ft.telemetry.attempt,
+    raytrain_ft.resilience.leaving,
+)
 NODES = [n for m in MODULES for n in ast.walk(ast.parse(Path(m.__file__).read_text()))]
 READS = {"events", "load_history", "latest_metrics", "get_run", "get_metric_history", "search_runs"}
 

@@ -8,9 +8,9 @@ import pickle
 import pytest
 import torch
 
-from raytrain_ft.config import TrainSection, load_config
-from raytrain_ft.errors import ConfigError
-from raytrain_ft.schedule import extension_refusal, lr_schedule
+from raytrain_ft.core.config import TrainSection, load_config
+from raytrain_ft.core.errors import ConfigError
+from raytrain_ft.core.schedule import extension_refusal, lr_schedule
 
 LR = 1.0e-3
 
@@ -45,7 +45,7 @@ def test_wsd_warms_up_holds_lr_then_decays_linearly_to_the_floor():
 
 
 def old_cosine(optimizer, t: TrainSection):
-    """The cosine schedule as `raytrain_ft.loop.lr_schedule` built it before `train.lr_schedule` existed."""
+    """The cosine schedule as `raytrain_ft.training.loop.lr_schedule` built it before `train.lr_schedule` existed."""
     warmup = max(1, min(t.warmup_steps, t.max_steps - 1))
     return torch.optim.lr_scheduler.SequentialLR(
         optimizer,

@@ -12,10 +12,10 @@ import torch.distributed.checkpoint as dcp
 from conftest import REPO
 from raytrain_ft.checkpoint import memory_copies as copies
 from raytrain_ft.checkpoint.integrity import ChecksummedWriter
-from raytrain_ft.config import load_config
+from raytrain_ft.core.config import load_config
+from raytrain_ft.core.errors import ConfigError
 from raytrain_ft.data.manifest import Manifest
-from raytrain_ft.errors import ConfigError
-from raytrain_ft.preflight import check_memory_tier
+from raytrain_ft.training.preflight import check_memory_tier
 
 TOPOLOGY = {"world_size": 2, "parallel.strategy": "ddp"}
 

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
+from raytrain_ft.core.recorder import NullRecorder
 from raytrain_ft.resilience.preemption import NodePreempted, Notice, Preemption, wait_out
-from raytrain_ft.telemetry.recorder import NullRecorder
 
 
 class Events(NullRecorder):

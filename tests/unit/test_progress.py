@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from raytrain_ft.config import load_config
+from raytrain_ft.core.config import load_config
+from raytrain_ft.core.hooks import StepResult
+from raytrain_ft.core.recorder import NullRecorder
 from raytrain_ft.data.position import BatchPlan, DataPosition
-from raytrain_ft.hooks import StepResult
 from raytrain_ft.model.causal_lm import build_model
 from raytrain_ft.resilience.guards import SpikeGuard
-from raytrain_ft.telemetry.recorder import NullRecorder
 from raytrain_ft.telemetry.step_metrics import StepMetrics, eta_seconds, progress_line
 
 

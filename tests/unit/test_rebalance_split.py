@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from raytrain_ft.core.hooks import StepResult
 from raytrain_ft.data.batches import split_passes
-from raytrain_ft.data.position import BatchPlan, DataPosition
-from raytrain_ft.hooks import StepResult
+from raytrain_ft.data.position import BatchPlan, DataPosition, Share
 from raytrain_ft.resilience.rebalance import Rebalance, proportional_split, rebalanced
-from raytrain_ft.resilience.replicas import Share
 from raytrain_ft.resilience.straggler import StragglerDetector
 
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from raytrain_ft.config import load_config
-from raytrain_ft.errors import ConfigError
-from raytrain_ft.preflight import check_recovery
+from raytrain_ft.core.config import load_config
+from raytrain_ft.core.errors import ConfigError
+from raytrain_ft.training.preflight import check_recovery
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 
+from raytrain_ft.core.run_folder import METADATA_FILE, complete_steps, read_latest, step_path
 from raytrain_ft.launch.worker import ReplicaSession
-from raytrain_ft.run_folder import METADATA_FILE, complete_steps, read_latest, step_path
 
 
 def session(root: str, keep: int) -> ReplicaSession:

@@ -28,9 +28,11 @@ from raytrain_ft.checkpoint.train_state import (
     Progress,
     TrainState,
 )
-from raytrain_ft.config import FingerprintSection, GuardsSection, RankCheckSection, load_config
+from raytrain_ft.core.config import FingerprintSection, GuardsSection, RankCheckSection, load_config
+from raytrain_ft.core.recorder import Gated, NullRecorder, Recorder
+from raytrain_ft.core.run_folder import replica_final_file
 from raytrain_ft.data.audit import DataAudit
-from raytrain_ft.data.position import BatchPlan, DataPosition
+from raytrain_ft.data.position import BatchPlan, DataPosition, Share
 from raytrain_ft.model.parallel import Parallel
 from raytrain_ft.resilience.guards import (
     RankChecks,
@@ -39,9 +41,7 @@ from raytrain_ft.resilience.guards import (
     SpikeGuard,
     replica_checksum,
 )
-from raytrain_ft.resilience.replicas import Replicas, Share, flat_optimizer_state, state_digest
-from raytrain_ft.run_folder import replica_final_file
-from raytrain_ft.telemetry.recorder import Gated, NullRecorder, Recorder
+from raytrain_ft.resilience.replicas import Replicas, flat_optimizer_state, state_digest
 
 
 def free_port() -> int:

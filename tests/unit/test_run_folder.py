@@ -1,4 +1,4 @@
-"""The run folder's names and readers (`raytrain_ft.run_folder`), and the one fingerprint comparison
+"""The run folder's names and readers (`raytrain_ft.core.run_folder`), and the one fingerprint comparison
 the driver's preflight and the restore share (`raytrain_ft.checkpoint.fingerprint.check_fingerprint`)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 
 from raytrain_ft.checkpoint.fingerprint import check_fingerprint
-from raytrain_ft.errors import CheckpointError
-from raytrain_ft.run_folder import RAY_RUN_STATE, committed_steps, complete_steps, step_of, step_path
+from raytrain_ft.core.errors import CheckpointError
+from raytrain_ft.core.run_folder import RAY_RUN_STATE, committed_steps, complete_steps, step_of, step_path
 
 
 def test_complete_steps_are_the_step_folders_with_metadata_oldest_first(tmp_path):

@@ -1,11 +1,11 @@
 """The run history the loop decides with (`recovery.RunHistory`) and the recorder interface it
-records through (`raytrain_ft.telemetry.recorder`): every implementation implements all of it."""
+records through (`raytrain_ft.core.recorder`): every implementation implements all of it."""
 
 from __future__ import annotations
 
+from raytrain_ft.core.recorder import NullRecorder, Recorder
 from raytrain_ft.launch.recorder_actor import RemoteRecorder
 from raytrain_ft.resilience.recovery import RunHistory
-from raytrain_ft.telemetry.recorder import NullRecorder, Recorder
 from raytrain_ft.telemetry.tracking import MlflowRecorder
 
 

@@ -1,4 +1,4 @@
-"""`raytrain_ft.run_resolver.find_run`, the one way every command finds RUN, against a real SQLite
+"""`raytrain_ft.telemetry.run_resolver.find_run`, the one way every command finds RUN, against a real SQLite
 MLflow store and run folders written here (no Ray): a run folder, an MLflow run id and a run name
 name the same run for every command; a miss or an ambiguous name is one line saying what to pass."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from conftest import sqlite_store
 from raytrain_ft.cli import main
-from raytrain_ft.run_resolver import FoundRun, find_run
+from raytrain_ft.telemetry.run_resolver import FoundRun, find_run
 from raytrain_ft.telemetry.tracking import start_or_resume_run
 
 

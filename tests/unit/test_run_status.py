@@ -9,8 +9,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import sqlite_store
-from raytrain_ft.errors import StorageFullError
-from raytrain_ft.run_folder import RUN_ENDED_FILE, end_run
+from raytrain_ft.core.errors import StorageFullError
+from raytrain_ft.core.run_folder import RUN_ENDED_FILE, end_run
 from raytrain_ft.telemetry.tracking import MlflowRecorder, finish_run, start_or_resume_run
 
 FULL = "checkpoint step-15 does not fit on /x: about 2 bytes needed, 1 free"

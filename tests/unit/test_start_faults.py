@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from raytrain_ft.fault_spec import FaultSpec
+from raytrain_ft.core.fault_spec import FaultSpec
 from raytrain_ft.resilience.faults import mark, start_faults_due
 
 FAULTS = list(

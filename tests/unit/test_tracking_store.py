@@ -11,8 +11,8 @@ import os
 
 from raytrain_ft.cli import main
 from raytrain_ft.launch import tracking_server
-from raytrain_ft.preflight import check_tracking
 from raytrain_ft.telemetry.tracking import resolve_uri, start_or_resume_run
+from raytrain_ft.training.preflight import check_tracking
 
 
 def test_history_without_flags_finds_a_run_whose_driver_ran_in_rays_working_dir_copy(tmp_path, monkeypatch, capsys):

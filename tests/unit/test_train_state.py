@@ -26,11 +26,11 @@ from raytrain_ft.checkpoint.train_state import (
     RunMeta,
     TrainState,
 )
-from raytrain_ft.config import TrainSection
-from raytrain_ft.errors import CheckpointError
+from raytrain_ft.core.config import TrainSection
+from raytrain_ft.core.errors import CheckpointError
+from raytrain_ft.core.run_folder import step_path
+from raytrain_ft.core.schedule import lr_schedule
 from raytrain_ft.resilience.storage_faults import SlowWriter
-from raytrain_ft.run_folder import step_path
-from raytrain_ft.schedule import lr_schedule
 
 
 def test_rng_states_round_trip_exactly(tmp_path):

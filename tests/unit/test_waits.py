@@ -10,14 +10,13 @@ import torch
 
 from raytrain_ft.checkpoint.checkpointer import Checkpointer
 from raytrain_ft.checkpoint.train_state import KEY_MODEL, ModelState, TrainState
-from raytrain_ft.config import load_config
+from raytrain_ft.core.config import load_config
+from raytrain_ft.core.errors import ConfigError
+from raytrain_ft.core.run_folder import read_commit_ack, write_commit_ack
+from raytrain_ft.core.waits import WaitTimeoutError, bounded, conflicts, wait_for
 from raytrain_ft.data.batches import Batches
-from raytrain_ft.data.position import BatchPlan, DataPosition
-from raytrain_ft.errors import ConfigError
-from raytrain_ft.resilience.replicas import Share
+from raytrain_ft.data.position import BatchPlan, DataPosition, Share
 from raytrain_ft.resilience.storage_faults import SlowWriter
-from raytrain_ft.resilience.waits import WaitTimeoutError, bounded, conflicts, wait_for
-from raytrain_ft.run_folder import read_commit_ack, write_commit_ack
 
 
 def test_bounds_that_cannot_work_together_are_each_one_line():

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from omegaconf import MISSING
 
-from raytrain_ft.errors import ConfigError
+from raytrain_ft.core.errors import ConfigError
 
 FAULT_KINDS = (
     "raise",

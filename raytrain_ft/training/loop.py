@@ -1,6 +1,6 @@
 """The data-parallel training loop, run on every rank. Depends on `torch.distributed`, not on Ray.
 
-Read top to bottom: `train` builds a `Trainer` over its components (`raytrain_ft.run_components`:
+Read top to bottom: `train` builds a `Trainer` over its components (`raytrain_ft.training.run_components`:
 the data pipeline, already filling from the committed checkpoint's data position, the model,
 optimizer, schedule, the checkpointed state and the step hooks: construction only), calls
 `Trainer.begin` (restore, the attempt's record and goodput account: `raytrain_ft.telemetry.attempt`;
@@ -18,17 +18,17 @@ reduction across replicas, the agreed skip and whether the step counts are the s
 (`replicas`: the whole group under restart recovery, a torchft quorum of replicas under replica
 recovery); the loop calls them the same way in both modes.
 
-What the loop records goes to a `Recorder` (`raytrain_ft.telemetry.recorder`: rank 0's records, the other
+What the loop records goes to a `Recorder` (`raytrain_ft.core.recorder`: rank 0's records, the other
 ranks' is a `NullRecorder`; under replica recovery each step's participant of rank 0 records it,
 `replicas.Role` says who starts the attempt); nothing is read back from it. What it decides with comes from the
 checkpoint and from `Session.history` (`raytrain_ft.resilience.recovery.RunHistory`: the run's start and its
 failures, attempt starts, hangs and rollbacks).
 
-The per-step side work runs in step hooks (`raytrain_ft.hooks`), in this order: fault injection
+The per-step side work runs in step hooks (`raytrain_ft.core.hooks`), in this order: fault injection
 (`faults`), the goodput ledger (`goodput.StepAccount`: every second of wall time in one bucket; rank
 0's is checkpointed and recorded), step metrics and MFU (`step_metrics`), the straggler monitor and
 the rebalance (`straggler`, `rebalance`), the data audit (`data.audit`), the progress beat to the
-driver's watchdog (`watchdog`); `raytrain_ft.run_components` builds them in that order. Fault
+driver's watchdog (`watchdog`); `raytrain_ft.training.run_components` builds them in that order. Fault
 injection that changes the step's own values (loss multiplier, slowed or killed checkpoint writes) is
 called where it acts.
 """
@@ -43,17 +43,17 @@ import torch
 from raytrain_ft.checkpoint.checkpointer import corrupt_recorder, restore_latest
 from raytrain_ft.checkpoint.interval import agreed_update, auto_schedule
 from raytrain_ft.checkpoint.train_state import KEY_GOODPUT, rng_key, seed_rngs
-from raytrain_ft.config import Config
+from raytrain_ft.core.config import Config
+from raytrain_ft.core.errors import StorageFullError
+from raytrain_ft.core.hooks import StepResult
+from raytrain_ft.core.run_folder import end_run, step_path
 from raytrain_ft.data.position import BatchPlan
-from raytrain_ft.errors import StorageFullError
-from raytrain_ft.hooks import StepResult
 from raytrain_ft.model.causal_lm import lm_loss
 from raytrain_ft.model.parallel import Parallel
 from raytrain_ft.resilience.leaving import leave
 from raytrain_ft.resilience.rebalance import rebalanced
-from raytrain_ft.run_components import RunComponents
-from raytrain_ft.run_folder import end_run, step_path
-from raytrain_ft.session import Session
+from raytrain_ft.training.run_components import RunComponents
+from raytrain_ft.training.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def train(cfg: Config, session: Session) -> None:
     """Train until `cfg.train.max_steps`, resuming from the session's latest checkpoint.
 
     Raises:
-        ConfigError, DataError, CheckpointError: one-line user errors (see `raytrain_ft.errors`).
+        ConfigError, DataError, CheckpointError: one-line user errors (see `raytrain_ft.core.errors`).
         GuardError: a guard ended the attempt (`raytrain_ft.resilience.guards`: an alert under
             `guards.on_alert: restart`, ranks disagreeing on a skip, no checkpoint to roll back to).
     """
@@ -105,7 +105,7 @@ def train(cfg: Config, session: Session) -> None:
 
 
 class Trainer(RunComponents):
-    """One rank's training run: its components (`raytrain_ft.run_components`, built by the
+    """One rank's training run: its components (`raytrain_ft.training.run_components`, built by the
     constructor: the data pipeline already filling from the committed checkpoint's data position),
     `begin()` restores and starts the attempt, then `step()` runs once per optimizer step."""
 
@@ -123,7 +123,8 @@ class Trainer(RunComponents):
         resumed_from, loaded, source = restore_latest(
             self.checkpointer,
             self.state,
-            session,
+            session.run_root,
+            session.latest_checkpoint(),
             self.recorder,
             self.faults.reader_for,
             self.role.cleans,

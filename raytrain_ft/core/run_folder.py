@@ -31,7 +31,7 @@ import time
 
 import fsspec
 
-from raytrain_ft.errors import StorageFullError
+from raytrain_ft.core.errors import StorageFullError
 
 STEP_PREFIX = "step-"
 METADATA_FILE = ".metadata"  # DCP's; its coordinator writes it after every rank's data
@@ -100,7 +100,7 @@ def has_run_state(root: str) -> bool:
 def committed_steps(root: str) -> list[int]:
     """Steps of the committed checkpoints under `root`, oldest first: the complete ones Ray Train's
     run state lists (`RAY_RUN_STATE`, its `checkpoint_results`), or every complete one of a run
-    without it (`raytrain_ft.local_session`)."""
+    without it (`raytrain_ft.training.local_session`)."""
     complete = complete_steps(root)
     if not has_run_state(root):
         return complete

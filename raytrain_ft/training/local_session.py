@@ -13,12 +13,13 @@ from collections.abc import Iterator
 import numpy as np
 import torch.distributed as dist
 
+from raytrain_ft.core.run_folder import read_latest, write_latest
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import EpochOrder
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.resilience.recovery import RunHistory
-from raytrain_ft.run_folder import read_latest, write_latest
-from raytrain_ft.telemetry.tracking import MlflowRecorder, bound_requests
+from raytrain_ft.telemetry.outbox import bound_requests
+from raytrain_ft.telemetry.tracking import MlflowRecorder
 
 
 class LocalSession:

@@ -35,7 +35,7 @@ class StepResult:
     norm before clipping; `skipped`: the spike guard skipped the update; `median`: the guard's
     median grad norm (None during its warm-up); `stall_s`: seconds this step was blocked on a
     checkpoint (snapshot copy, or the previous write); `validation`: `val_loss` and
-    `val_perplexity` at a validated step (`raytrain_ft.validation`), else empty; `validation_s`: its
+    `val_perplexity` at a validated step (`raytrain_ft.training.validation`), else empty; `validation_s`: its
     seconds (0 without one); `recovery_s`: seconds of the step lost to a peer replica's failure
     (`StepMembers.recovering_s`: under replica recovery, the quorum's wait for the lighthouse to
     drop a dead replica; else 0); `devices`: the devices that trained the step, the split's world

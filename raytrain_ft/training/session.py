@@ -13,10 +13,10 @@ from typing import Protocol
 import numpy as np
 
 from raytrain_ft.checkpoint.memory_copies import Keepers
+from raytrain_ft.core.recorder import Recorder
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.resilience.preemption import Notice
 from raytrain_ft.resilience.recovery import RunHistory
-from raytrain_ft.telemetry.recorder import Recorder
 
 
 class Session(Protocol):
@@ -29,7 +29,7 @@ class Session(Protocol):
     node: str  # this worker's node, as events name it (the Ray node id; the host name without Ray)
 
     def recorder(self, attempt: bool) -> Recorder:
-        """The run's recorder (`raytrain_ft.telemetry.recorder`). `attempt=True` (rank 0, once per attempt):
+        """The run's recorder (`raytrain_ft.core.recorder`). `attempt=True` (rank 0, once per attempt):
         this attempt's, with a fresh step timeline; `attempt=False`: the run's recorder without a new
         timeline (under replica recovery, a replica that records steps but does not start the attempt)."""
 

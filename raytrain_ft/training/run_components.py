@@ -9,7 +9,7 @@ the train state that checkpoints them (`checkpoint.train_state.run_state`), the 
 memory tier (`checkpoint.memory_tier`), the rollback, the guards' cross-member checks, validation,
 the data audit, fault injection, the progress beat, the checkpoint schedule, drain notices, the
 compute timer, the step hooks in their
-order (`raytrain_ft.hooks`) and the attempt's record (`telemetry.attempt`). Construction only:
+order (`raytrain_ft.core.hooks`) and the attempt's record (`telemetry.attempt`). Construction only:
 nothing is restored; `build_members` builds the step members once the restore has set the step.
 
 Some components call back into the loop: `members()` returns the step members (`Trainer.begin`
@@ -42,13 +42,15 @@ from raytrain_ft.checkpoint.train_state import (
     RunMeta,
     run_state,
 )
-from raytrain_ft.config import Config
+from raytrain_ft.core.config import Config
+from raytrain_ft.core.hooks import StepHooks
+from raytrain_ft.core.recorder import Gated, NullRecorder
+from raytrain_ft.core.schedule import lr_schedule
 from raytrain_ft.data.audit import DataAudit
 from raytrain_ft.data.batches import Batches, check_data_fits
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import steps_per_epoch
-from raytrain_ft.data.position import BatchPlan, DataPosition
-from raytrain_ft.hooks import StepHooks
+from raytrain_ft.data.position import BatchPlan, DataPosition, Share
 from raytrain_ft.model.causal_lm import model_id
 from raytrain_ft.model.parallel import build
 from raytrain_ft.model.pretrained import weights_sha256
@@ -56,17 +58,15 @@ from raytrain_ft.resilience.faults import FaultInjector
 from raytrain_ft.resilience.guards import RankChecks, RollbackLog, SpikeGuard
 from raytrain_ft.resilience.preemption import Preemption
 from raytrain_ft.resilience.rebalance import Rebalance, rebalanced
-from raytrain_ft.resilience.replicas import Share, StepMembers, first_share, role, step_members
+from raytrain_ft.resilience.replicas import StepMembers, first_share, role, step_members
 from raytrain_ft.resilience.rollback import Rollback
 from raytrain_ft.resilience.straggler import ComputeTimer, StragglerDetector, StragglerMonitor, exclusion
 from raytrain_ft.resilience.watchdog import StepBeat
-from raytrain_ft.schedule import lr_schedule
-from raytrain_ft.session import Session
 from raytrain_ft.telemetry.attempt import AttemptRecord
 from raytrain_ft.telemetry.goodput import GoodputLedger, StepAccount
-from raytrain_ft.telemetry.recorder import Gated, NullRecorder
 from raytrain_ft.telemetry.step_metrics import StepMetrics
-from raytrain_ft.validation import Validation
+from raytrain_ft.training.session import Session
+from raytrain_ft.training.validation import Validation
 
 
 def audit_width(cfg: Config, plan: BatchPlan) -> int:
@@ -152,7 +152,15 @@ class RunComponents:
         topology = {"world_size": self.world_size, **self.par.tags()}
         self.memory = MemoryTier(keepers, m.peer_copies, self.group, cfg.failure.collective_timeout_s, topology)
         self.roll_back = Rollback(
-            cfg, self.manifest, self.plan, self.checkpointer, self.state, session, self.step_recorder, self.ledger
+            cfg,
+            self.manifest,
+            self.plan,
+            self.checkpointer,
+            self.state,
+            session.run_root,
+            session.history,
+            self.step_recorder,
+            self.ledger.add_gap,
         )
         self.checks = RankChecks(cfg.guards, self.par, members, self.step_recorder, settle)
         self.validation = Validation(

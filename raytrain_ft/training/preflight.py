@@ -3,14 +3,14 @@
 One function serves the driver (`raytrain_ft.launch.driver.preflight` raises the first problem
 before `TorchTrainer.fit`) and `raytrain-ft check --config FILE` (prints every problem, one line
 each). It never builds a model's weights and never starts Ray: the config's keys and types are
-checked by `raytrain_ft.config.load_config` before it is called; here come
+checked by `raytrain_ft.core.config.load_config` before it is called; here come
 
 - the batch split at every world size of `scaling.num_workers` (`BatchPlan`) and the HSDP mesh;
 - that `failure.recovery: replica` has what it needs (fixed workers, ddp, torchft);
 - the dataset's manifest (when `data.path` is reachable) against `train.seq_len`, the batch and
   the model (preset or config), and a `model.init_from` folder's weights and tokenizer;
 - the memory plan on the configured `scaling.gpu_type` (GPU runs);
-- that the waits' bounds can work together (`raytrain_ft.resilience.waits.conflicts`);
+- that the waits' bounds can work together (`raytrain_ft.core.waits.conflicts`);
 - that `run.storage_path` is reachable and writable (a probe file is written and removed);
 - that the tracking store answers (`GET /health` of an `http(s)://` server; a SQLite file's folder
   exists and is writable). A deliberate refusal: the driver opens the run's MLflow run before any
@@ -35,17 +35,9 @@ from raytrain_ft.checkpoint.fingerprint import check_fingerprint, fingerprint
 from raytrain_ft.checkpoint.memory_copies import KEEP, bytes_per_node, free_bytes
 from raytrain_ft.checkpoint.reader import newest_checkpoint
 from raytrain_ft.checkpoint.train_state import RunMeta
-from raytrain_ft.config import Config
-from raytrain_ft.data.batches import check_data_fits
-from raytrain_ft.data.manifest import Manifest, load_manifest
-from raytrain_ft.data.position import check_world_sizes
-from raytrain_ft.errors import CheckpointError, ConfigError, UserError
-from raytrain_ft.model.causal_lm import model_config
-from raytrain_ft.model.memory import check_fits, plan_config
-from raytrain_ft.model.parallel import mesh_shape, resolve_strategy
-from raytrain_ft.model.pretrained import check_init_from
-from raytrain_ft.resilience.waits import conflicts
-from raytrain_ft.run_folder import (
+from raytrain_ft.core.config import Config
+from raytrain_ft.core.errors import CheckpointError, ConfigError, UserError
+from raytrain_ft.core.run_folder import (
     RAY_RUN_STATE,
     complete_steps,
     has_run_state,
@@ -53,6 +45,14 @@ from raytrain_ft.run_folder import (
     read_latest,
     run_root,
 )
+from raytrain_ft.core.waits import conflicts
+from raytrain_ft.data.batches import check_data_fits
+from raytrain_ft.data.manifest import Manifest, load_manifest
+from raytrain_ft.data.position import check_world_sizes
+from raytrain_ft.model.causal_lm import model_config
+from raytrain_ft.model.memory import check_fits, plan_config
+from raytrain_ft.model.parallel import mesh_shape, resolve_strategy
+from raytrain_ft.model.pretrained import check_init_from
 from raytrain_ft.telemetry.tracking import resolve_uri
 
 PROBE_TIMEOUT_S = 5.0

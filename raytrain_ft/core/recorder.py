@@ -26,7 +26,7 @@ class Recorder(ABC):
 
     Calls return without waiting for the store (except `hang` and `registered`, which wait until
     recorded, at most `waits.tracking_timeout_s` and not while the store is unreachable: records are
-    then held and sent when it answers, `tracking.Outbox`); a failure to record is logged, never
+    then held and sent when it answers, `outbox.Outbox`); a failure to record is logged, never
     raised: tracking is not worth a failed run.
     """
 

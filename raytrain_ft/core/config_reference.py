@@ -1,6 +1,6 @@
-"""The configuration reference of docs/configuration.md, generated from `raytrain_ft.config`'s dataclasses:
+"""The configuration reference of docs/configuration.md, generated from `raytrain_ft.core.config`'s dataclasses:
 each key's type and default from the field, its meaning from the field's trailing `# comment` in the source,
-so the reference cannot drift. `python -m raytrain_ft.config_reference` prints it.
+so the reference cannot drift. `python -m raytrain_ft.core.config_reference` prints it.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import inspect
 import io
 import tokenize
 
-from raytrain_ft.config import Config
-from raytrain_ft.fault_spec import FaultSpec
+from raytrain_ft.core.config import Config
+from raytrain_ft.core.fault_spec import FaultSpec
 
 
 def reference_rows(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str, str]]:
@@ -42,7 +42,7 @@ def _field_comments(cls: type) -> dict[str, str]:
 
 
 def reference_markdown() -> str:
-    """The configuration reference as a markdown table (`python -m raytrain_ft.config_reference`)."""
+    """The configuration reference as a markdown table (`python -m raytrain_ft.core.config_reference`)."""
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
     lines += [f"| `{k}` | {t} | `{d}` | {m.replace('|', '/')} |" for k, t, d, m in reference_rows()]
     lines.append(

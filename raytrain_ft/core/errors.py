@@ -3,7 +3,7 @@
 Entry points (`jobs/*.py`, the `raytrain-ft` CLI) catch `UserError`, print its message on one
 line and exit with status 2; no traceback from deep inside Ray reaches the user. An error that a
 restart cannot cure (`StorageFullError`) ends the run from the workers
-(`raytrain_ft.run_folder.end_run`); the driver raises it (`run_folder.raise_if_ended`).
+(`raytrain_ft.core.run_folder.end_run`); the driver raises it (`run_folder.raise_if_ended`).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from raytrain_ft.config import TrainSection
+from raytrain_ft.core.config import TrainSection
 
 
 def lr_schedule(optimizer: torch.optim.Optimizer, t: TrainSection) -> torch.optim.lr_scheduler.LRScheduler:

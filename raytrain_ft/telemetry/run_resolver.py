@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import fsspec
 
-from raytrain_ft.run_folder import read_run_id, run_root
+from raytrain_ft.core.run_folder import read_run_id, run_root
 
 if TYPE_CHECKING:
     from mlflow.entities import Run

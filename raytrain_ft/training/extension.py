@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 
 from raytrain_ft.checkpoint.reader import newest_checkpoint
-from raytrain_ft.errors import CheckpointError
-from raytrain_ft.run_folder import record_extension, step_of
-from raytrain_ft.schedule import extension_refusal
-from raytrain_ft.telemetry.recorder import Recorder
+from raytrain_ft.core.errors import CheckpointError
+from raytrain_ft.core.recorder import Recorder
+from raytrain_ft.core.run_folder import record_extension, step_of
+from raytrain_ft.core.schedule import extension_refusal
 
 
 def extend(run_root: str, max_steps: int, recorder: Recorder) -> dict:

@@ -10,7 +10,7 @@ docs/hangs-and-waits.md#every-wait-is-bounded. This module holds what those wait
   (the data pipeline's batches).
 * `wait_for(done, timeout_s, what)`: poll `done()` until it holds (the commit acknowledgement).
 * `conflicts(cfg, checkpoint_bytes)`: bounds that cannot work together, one line each, for
-  `raytrain-ft check` (`raytrain_ft.preflight`). Pure: no Ray, no I/O.
+  `raytrain-ft check` (`raytrain_ft.training.preflight`). Pure: no Ray, no I/O.
 
 Imports no Ray: the loop and preflight use it.
 """
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from raytrain_ft.config import Config
+from raytrain_ft.core.config import Config
 
 T = TypeVar("T")
 

@@ -42,10 +42,10 @@ import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 
-from raytrain_ft.config import ValidationSection
+from raytrain_ft.core.config import ValidationSection
+from raytrain_ft.core.errors import ConfigError
 from raytrain_ft.data.manifest import Manifest, Shard, load_manifest
 from raytrain_ft.data.position import BatchPlan
-from raytrain_ft.errors import ConfigError
 from raytrain_ft.model.causal_lm import lm_loss
 from raytrain_ft.model.parallel import Parallel
 
