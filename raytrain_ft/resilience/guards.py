@@ -14,7 +14,7 @@
   replica group) are compared (`replica_mismatch`); under FSDP there are no replicas and the check
   does not apply (see `raytrain_ft.model.parallel`).
 * `RankChecks`: the loop's rank check and replica fingerprint at their intervals, and their alerts,
-  over the step's members (`raytrain_ft.resilience.replicas`' `StepMembers.gather`): every rank of the process
+  over the step's members (`raytrain_ft.resilience.step_members`' `StepMembers.gather`): every rank of the process
   group under restart recovery; the participants of the step's torchft quorum under replica
   recovery, where every replica holds the full model and the fingerprint compares the replicas.
 """
@@ -124,9 +124,12 @@ class RollbackLog:
 
 
 class Members(Protocol):
-    """What `RankChecks` needs of the step's members (`raytrain_ft.resilience.replicas.StepMembers`)."""
+    """What `RankChecks` needs of the step's members (`raytrain_ft.resilience.step_members.StepMembers`)."""
 
-    saves_together: bool
+    @property
+    def saves_together(self) -> bool:
+        """Whether every member reaches each save."""
+        ...
 
     def gather(self, row: torch.Tensor) -> torch.Tensor:
         """`row` (width,) of every member, stacked: (members, width) (a collective)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from raytrain_ft.resilience.preemption import Preemption, wait_out
-from raytrain_ft.resilience.replicas import StepMembers
+from raytrain_ft.resilience.step_members import StepMembers
 from raytrain_ft.resilience.straggler import StragglerMonitor
 
 

@@ -1,22 +1,6 @@
-"""Who trains each step, and whether it counts: the whole group, or the replicas of a torchft quorum.
+"""`Replicas`, the `StepMembers` of `failure.recovery: replica` (`raytrain_ft.resilience.step_members`):
+the replicas of each step's torchft quorum.
 
-The loop asks its `StepMembers` five things per optimizer step, whatever the recovery mode:
-`begin()` (this step's `Share`: the batch split and this rank's place in it), `reduce(par)` after
-the forward/backward passes, `agree(step, loss, skip, may_save, doomed, compute_s)` (an `Agreement`:
-the members' summed loss, one spike-guard decision for all of them, whether the fingerprint runs before
-a save, how many members' nodes are being drained for preemption, `raytrain_ft.resilience.preemption`, and every
-member's straggler figure, `raytrain_ft.resilience.straggler`), `accepted()` (whether the step counts)
-before the optimizer step, and `gather(row)` for the data audit and the guards' cross-member checks
-(`guards.RankChecks`: the rank-spread check and the replica fingerprint compare the rows of every
-member of the step); `saves` and `records` say whether this rank writes the step's checkpoint and
-records its metrics, `holds_copies(par)` whether the members hold copies of the same weights (the
-fingerprint applies) and `saves_together` whether every member reaches each save (the fingerprint
-before a save is a collective there). Two implementations:
-
-* `WholeGroup` (`failure.recovery: restart`): every rank of the process group trains every step
-  with the same split; the strategy (DDP, FSDP) already reduced the gradients; the ranks' guard
-  decisions must be equal (they judge the same gradients: a disagreement raises
-  `SkipDisagreementError`); every step is accepted.
 * `Replicas` (`failure.recovery: replica`): every Ray Train worker is a replica group of one worker
   holding the full model (Ray Train 2.60 hard-codes `replica_group_size=1`), and a torchft
   `Manager` joins the replicas per step:
@@ -75,9 +59,8 @@ import json
 import logging
 import pickle
 import time
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import Any
 
 import fsspec
 import torch
@@ -92,7 +75,7 @@ from raytrain_ft.core.run_folder import replica_final_file
 from raytrain_ft.core.waits import LIGHTHOUSE_JOIN_S
 from raytrain_ft.data.position import BatchPlan, Share
 from raytrain_ft.model.parallel import Parallel
-from raytrain_ft.resilience.guards import SkipDisagreementError
+from raytrain_ft.resilience.step_members import Agreement, agreed_row
 from raytrain_ft.resilience.straggler import StragglerExcluded
 
 log = logging.getLogger(__name__)
@@ -110,122 +93,6 @@ REPLACEMENT_ENV = "RAYTRAIN_FT_REPLACEMENT"
 # does not hold up; 2 s put the survivors' first commit after a kill above 3 s even at 0.2 s steps
 # (docs/benchmarks.md, clustered failures).
 LIGHTHOUSE = {"min_replicas": 1, "join_timeout_ms": int(LIGHTHOUSE_JOIN_S * 1000), "heartbeat_timeout_ms": 1_000}
-
-
-class Agreement(NamedTuple):
-    """What a step's members agreed on (`agree`): the SUM of their losses, the skip decision, whether
-    the fingerprint runs before a save (replicas), how many members hold a drain notice (`leaving`),
-    and `figures` (each member's straggler figure, `raytrain_ft.resilience.straggler`: compute seconds per
-    sequence, in the split's rank order)."""
-
-    loss_sum: float
-    skip: bool
-    before_save: bool
-    leaving: int
-    figures: tuple[float, ...]
-
-
-def agreed_row(values: list[float], compute_s: float, share: Share) -> torch.Tensor:
-    """The float64 row one member adds to the step's agree all-reduce (SUM): `values`, then one slot
-    per member of `share.plan`, this member's holding its straggler figure (`compute_s`, its compute
-    seconds of the step, per sequence of its share: so an uneven split compares), the others 0
-    (exact: x + 0 is x)."""
-    row = torch.zeros(len(values) + share.plan.world_size, dtype=torch.float64)
-    row[: len(values)] = torch.tensor(values, dtype=torch.float64)
-    row[len(values) + share.rank] = compute_s / share.plan.share(share.rank)
-    return row
-
-
-@dataclass(frozen=True)
-class Role:
-    """What one process records for the run. `attempt`: it starts the run's attempt (a fresh step
-    timeline, the `attempt_start` event, the previous attempt's values sorted); `records`: it has
-    a recorder (it records a step when `StepMembers.records`); `replacement`: a replica started in
-    place of a failed one while the others kept training (it starts no attempt); `cleans`: its
-    restore deletes uncommitted step folders (not under replica recovery: a live replica may be
-    writing one)."""
-
-    attempt: bool
-    records: bool
-    replacement: bool
-    cleans: bool
-
-
-def role(cfg: Config, rank: int, replacement: bool) -> Role:
-    """Restart recovery: rank 0 records everything. Replica recovery: every replica records the
-    steps it is rank 0 of; replica 0 starts the attempt, unless it is a replacement."""
-    if cfg.failure.recovery == "replica":
-        return Role(attempt=rank == 0 and not replacement, records=True, replacement=replacement, cleans=False)
-    return Role(attempt=rank == 0, records=rank == 0, replacement=False, cleans=True)
-
-
-class WholeGroup:
-    """`failure.recovery: restart`: every rank of the process group, every step (module doc)."""
-
-    saves = True  # every rank writes its part of each checkpoint
-    saves_together = True  # every rank reaches each save: the fingerprint before it is a collective
-    records = True  # rank 0's recorder records (the others' is a `NullRecorder`)
-    recovering_s = 0.0  # a failure restarts the group: nothing of a step is lost to it while training
-
-    def __init__(self, share: Share, group: dist.ProcessGroup):
-        self.share, self.group = share, group
-
-    def begin(self) -> Share:
-        return self.share
-
-    @property
-    def rank(self) -> int:
-        """This rank's place in the step's split."""
-        return self.share.rank
-
-    def reduce(self, par: Parallel) -> None:
-        """The strategy reduced the gradients in backward."""
-
-    def agree(self, step: int, loss: float, skip: bool, may_save: bool, doomed: bool, compute_s: float) -> Agreement:
-        """(every rank's `loss` summed, the skip decision, False, the ranks whose node is drained, every
-        rank's straggler figure from its `compute_s`, `agreed_row`) over the group (one all-reduce).
-        The fingerprint before a save needs no signal here: every rank reaches each save (`saves_together`).
-
-        Raises:
-            SkipDisagreementError: the ranks' guards decided differently (their grad norms differ).
-        """
-        totals = agreed_row([loss, float(skip), float(doomed)], compute_s, self.share)
-        dist.all_reduce(totals, group=self.group)
-        if totals[1].item() not in (0, dist.get_world_size(self.group)):
-            raise SkipDisagreementError(f"step {step}: ranks disagree on skipping (grad norms differ)")
-        return Agreement(totals[0].item(), skip, False, int(totals[2].item()), tuple(totals[3:].tolist()))
-
-    def saves_before_leaving(self, leaving: int) -> bool:
-        """Every rank saves the step after a drain notice: Ray Train restarts the whole group at the
-        deadline, from the last registered checkpoint."""
-        return True
-
-    def leave(self) -> bool:
-        """False: a doomed rank trains on with the group until Ray Train restarts it."""
-        return False
-
-    def exclude(self, ranks: list[int]) -> bool:
-        """`ranks` are stragglers excluded after this step (`straggler.Exclusion`, which leaves at
-        least the range's minimum): True, every rank ends the attempt once the step is saved and
-        registered (the driver restarts the group without their nodes, `launch.driver`)."""
-        return True
-
-    def accepted(self) -> bool:
-        """True: the whole group trains every step (a failed rank fails the attempt)."""
-        return True
-
-    def gather(self, row: torch.Tensor) -> torch.Tensor:
-        """`row` (width,) of every rank, stacked: (world size, width), same dtype (a collective)."""
-        gathered = [torch.empty_like(row) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(gathered, row, group=self.group)
-        return torch.stack(gathered)
-
-    def holds_copies(self, par: Parallel) -> bool:
-        """Whether ranks hold copies of the same weights: ddp, hsdp (each shard across replica groups)."""
-        return par.has_replicas
-
-    def finish(self, run_root: str) -> None:
-        pass
 
 
 class Replicas:
@@ -439,9 +306,6 @@ class Replicas:
         self.manager.shutdown(wait=False)
 
 
-StepMembers = WholeGroup | Replicas
-
-
 def flat_optimizer_state(state: TrainState) -> dict[str, torch.Tensor]:
     """The optimizer's tensors keyed as a checkpoint flattens them: `optim.state.<param>.<name>`."""
     saved = state.components[KEY_OPTIM].state_dict()["state"]
@@ -457,32 +321,3 @@ def state_digest(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
         h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         out[key] = h.hexdigest()
     return out
-
-
-def first_share(cfg: Config, plan: BatchPlan, rank: int, replica_index: int) -> Share:
-    """The share a rank expects before its first step, to start reading data while the model builds:
-    `plan` and `rank` (the whole group's); under replica recovery every replica in the quorum."""
-    if cfg.failure.recovery == "replica":
-        n = cfg.worker_range[1]
-        return Share(BatchPlan(cfg.train.global_batch_size, cfg.train.micro_batch_size, n), min(replica_index, n - 1))
-    return Share(plan, rank)
-
-
-def step_members(
-    cfg: Config,
-    share: Share,
-    group: dist.ProcessGroup,
-    state: TrainState,
-    step: int,
-    replica_index: int,
-    heal_only: dict[str, Stateful],
-    recorder: Recorder,
-    replacement: bool,
-) -> StepMembers:
-    """The `StepMembers` of `cfg.failure.recovery`. `share`: the whole group's fixed split (restart);
-    `group`: the CPU group the whole group gathers on; `state`, `step`, `heal_only`: what a heal
-    replaces (`Replicas`), and its step; `replica_index`: this worker's rank in the run (`Session.rank`);
-    `recorder`, `replacement`: this replica's recorder and `Role.replacement` (`Replicas`)."""
-    if cfg.failure.recovery == "replica":
-        return Replicas(cfg, state, replica_index, step, heal_only, recorder, replacement)
-    return WholeGroup(share, group)

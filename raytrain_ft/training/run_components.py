@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
 
 from raytrain_ft.checkpoint.checkpointer import Checkpointer
 from raytrain_ft.checkpoint.fingerprint import fingerprint
@@ -58,10 +59,12 @@ from raytrain_ft.resilience.faults import FaultInjector
 from raytrain_ft.resilience.guards import RankChecks, RollbackLog, SpikeGuard
 from raytrain_ft.resilience.preemption import Preemption
 from raytrain_ft.resilience.rebalance import Rebalance, rebalanced
-from raytrain_ft.resilience.replicas import StepMembers, first_share, role, step_members
+from raytrain_ft.resilience.replicas import Replicas
 from raytrain_ft.resilience.rollback import Rollback
+from raytrain_ft.resilience.step_members import StepMembers, first_share, role
 from raytrain_ft.resilience.straggler import ComputeTimer, StragglerDetector, StragglerMonitor, exclusion
 from raytrain_ft.resilience.watchdog import StepBeat
+from raytrain_ft.resilience.whole_group import WholeGroup
 from raytrain_ft.telemetry.attempt import AttemptRecord
 from raytrain_ft.telemetry.goodput import GoodputLedger, StepAccount
 from raytrain_ft.telemetry.step_metrics import StepMetrics
@@ -197,17 +200,12 @@ class RunComponents:
         )
 
     def build_members(self, step: int) -> StepMembers:
-        """The step members from `step` on (`raytrain_ft.resilience.replicas.step_members`: the whole
-        group, or a torchft quorum of replicas healing to the restored `step`)."""
-        share = Share(self.plan, self.rank)
-        return step_members(
-            self.cfg,
-            share,
-            self.group,
-            self.state,
-            step,
-            self.session.rank,
-            {"audit": self.audit},
-            self.recorder,
-            self.role.replacement,
-        )
+        """The step members from `step` on (`raytrain_ft.resilience.step_members`): the whole group
+        (`failure.recovery: restart`), or a torchft quorum of replicas healing to the restored `step`,
+        with what a heal replaces (the train state, and the data audit's window)."""
+        if self.cfg.failure.recovery == "replica":
+            heal_only: dict[str, Stateful] = {"audit": self.audit}
+            return Replicas(
+                self.cfg, self.state, self.session.rank, step, heal_only, self.recorder, self.role.replacement
+            )
+        return WholeGroup(Share(self.plan, self.rank), self.group)

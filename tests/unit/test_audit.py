@@ -7,7 +7,7 @@ import torch.distributed as dist
 from raytrain_ft.core.run_folder import AUDIT_DIR
 from raytrain_ft.data.audit import DataAudit, read_audit
 from raytrain_ft.data.position import BatchPlan, Share
-from raytrain_ft.resilience.replicas import WholeGroup
+from raytrain_ft.resilience.whole_group import WholeGroup
 
 
 def test_a_write_cut_by_a_kill_is_ignored_and_the_committed_steps_are_read(tmp_path, process_group):
