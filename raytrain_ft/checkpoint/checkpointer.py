@@ -22,10 +22,7 @@ Life of a checkpoint (see docs/restart-recovery.md):
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
-import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -42,56 +39,20 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from raytrain_ft.checkpoint.fingerprint import carry_start, check_fingerprint
-from raytrain_ft.checkpoint.integrity import ChecksummedReader, ChecksummedWriter, CompleteLoadPlanner
+from raytrain_ft.checkpoint.integrity import ChecksummedReader, ChecksummedWriter, CompleteLoadPlanner, corruption_of
+from raytrain_ft.checkpoint.storage_space import free_bytes, newest_size, out_of_space, space_message
 from raytrain_ft.checkpoint.train_state import KEY_META, RunMeta, TrainState, missing_components
 from raytrain_ft.core.errors import CheckpointError, CorruptCheckpointError, StorageFullError
-from raytrain_ft.core.run_folder import complete_steps, list_step_dirs, step_of, step_path
+from raytrain_ft.core.run_folder import list_step_dirs, step_of, step_path
 from raytrain_ft.core.waits import WaitTimeoutError
 
 if TYPE_CHECKING:
-    from raytrain_ft.core.recorder import Recorder
+    pass
 
 log = logging.getLogger(__name__)
 
 WriterFactory = Callable[[str], ChecksummedWriter]  # the storage writer of a save, from its step folder's path
 ReaderFor = Callable[[int], Callable[[str], ChecksummedReader]]  # a checkpoint's step -> its reader, from its path
-
-
-def space_message(root: str, step: int, needed: int, free: int) -> str:
-    return (
-        f"checkpoint step-{step} does not fit on {root}: about {needed} bytes needed, {free} bytes free; "
-        "free space there, lower checkpoint.num_to_keep, or move run.storage_path"
-    )
-
-
-def _free_bytes(root: str) -> int:
-    path = root.removeprefix("file://")
-    while not os.path.exists(path):  # the run folder before its first save
-        path = os.path.dirname(path)
-    return shutil.disk_usage(path).free
-
-
-def _newest_size(root: str) -> int:
-    """Bytes of the newest complete checkpoint under `root` (0 before the first one)."""
-    complete = complete_steps(root)
-    if not complete:
-        return 0
-    folder = step_path(root, complete[-1]).removeprefix("file://")
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
-
-
-def _out_of_space(exc: BaseException | None) -> bool:
-    """ENOSPC anywhere in the chain or in any rank's error that DCP gathered into its `CheckpointException`
-    (`failures`), or torch's zip writer failing on a short write."""
-    while exc is not None:
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            return True
-        if "unexpected pos" in str(exc) or "No space left" in str(exc):
-            return True
-        if isinstance(exc, CheckpointException) and any(_out_of_space(e) for e, _ in exc.failures.values()):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 def cleanup(root: str, committed_step: int) -> list[int]:
@@ -194,7 +155,7 @@ class Checkpointer:
             return
         room = torch.zeros(2, dtype=torch.float64)
         if dist.get_rank() == 0:
-            room[0], room[1] = _free_bytes(self.root), _newest_size(self.root)
+            room[0], room[1] = free_bytes(self.root), newest_size(self.root)
         dist.broadcast(room, src=0, group=self.control_group)
         free, needed = int(room[0].item()), int(room[1].item())
         if needed > free:
@@ -267,8 +228,8 @@ class Checkpointer:
         except FutureTimeout:
             raise WaitTimeoutError(self._late("write", step)) from None
         except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-            if _out_of_space(e):
-                needed, free = _newest_size(self.root), _free_bytes(self.root)
+            if out_of_space(e):
+                needed, free = newest_size(self.root), free_bytes(self.root)
                 raise StorageFullError(space_message(self.root, step, needed, free)) from None
             raise
 
@@ -363,61 +324,3 @@ class Checkpointer:
                 {"at_step": step_of(path), "from_max_steps": planned, "max_steps": target},
             ]
         current.mlflow_run_id = current.mlflow_run_id or saved.mlflow_run_id
-
-
-def corruption_of(e: BaseException) -> CorruptCheckpointError | None:
-    """The `CorruptCheckpointError` behind `e` (DCP wraps a rank's error in `CheckpointException`,
-    keyed by rank); None when any rank failed for another reason."""
-    if isinstance(e, CorruptCheckpointError):
-        return e
-    errors = [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else []
-    corrupt = [x for x in errors if isinstance(x, CorruptCheckpointError)]
-    return corrupt[0] if corrupt and len(corrupt) == len(errors) else None
-
-
-def restore_latest(
-    checkpointer: Checkpointer,
-    state: TrainState,
-    run_root: str,
-    latest: str | None,
-    recorder: Recorder,
-    reader_for: ReaderFor = lambda step: ChecksummedReader,
-    clean: bool = True,
-    from_memory: Callable[[int], tuple[int, set[str], str] | None] = lambda durable_step: None,
-) -> tuple[int | None, set[str], str]:
-    """`latest`: the checkpoint Ray committed last under `run_root` (`Session.latest_checkpoint`), or None.
-    Delete uncommitted saves (unless `clean` is False: a live peer may be writing one, under
-    replica recovery), then load the newest checkpoint: the memory tier's when `from_memory(durable
-    step)` loads one (`raytrain_ft.checkpoint.memory_tier.MemoryTier.restore`: never older than the
-    durable one), else the committed durable one (or an older one if corrupt); `reader_for`:
-    `Checkpointer.restore`'s (fault injection).
-
-    Returns the step loaded (None on a fresh start), the state keys the checkpoint held, and where it
-    came from: `memory` (every rank's own node), `peer` (some rank's copy on another node), `storage`, or "".
-    """
-    committed = step_of(latest) if latest else 0
-    if dist.get_rank() == 0 and clean:
-        removed = cleanup(run_root, committed)
-        if removed:
-            log.warning("deleted incomplete or uncommitted checkpoints at steps %s", removed)
-            recorder.event("uncommitted_checkpoints_deleted", steps=removed)
-    dist.barrier(group=checkpointer.control_group)
-    memory = from_memory(committed)
-    if memory is not None:
-        return memory
-    if latest is None:
-        return None, set(), ""
-    older = [s for s in reversed(complete_steps(run_root)) if s < committed]
-    candidates = [latest] + [step_path(run_root, s) for s in older]
-    loaded, keys = checkpointer.restore(state, candidates, corrupt_recorder(recorder), reader_for)
-    return (step_of(loaded) if loaded else None), keys, "storage"
-
-
-def corrupt_recorder(recorder: Recorder) -> Callable[[str, str], None]:
-    """`Checkpointer.restore`'s `on_corrupt`: the `corrupt_checkpoint` event and the run's last-corrupt tag."""
-
-    def on_corrupt(path: str, reason: str) -> None:
-        recorder.event("corrupt_checkpoint", path=path, reason=reason)
-        recorder.tags({"last_corrupt_checkpoint": f"{path}: {reason}"})
-
-    return on_corrupt

@@ -32,6 +32,7 @@ from typing import Any
 
 import fsspec
 import xxhash
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
@@ -336,3 +337,13 @@ def verify_checkpoint(path: str, components: bool = True) -> list[str]:
     if components:
         problems += [f"{path}: incomplete: {m}" for m in missing_components(metadata.state_dict_metadata)]
     return problems
+
+
+def corruption_of(e: BaseException) -> CorruptCheckpointError | None:
+    """The `CorruptCheckpointError` behind `e` (DCP wraps a rank's error in `CheckpointException`,
+    keyed by rank); None when any rank failed for another reason."""
+    if isinstance(e, CorruptCheckpointError):
+        return e
+    errors = [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else []
+    corrupt = [x for x in errors if isinstance(x, CorruptCheckpointError)]
+    return corrupt[0] if corrupt and len(corrupt) == len(errors) else None

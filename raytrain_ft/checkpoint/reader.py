@@ -26,9 +26,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from raytrain_ft.checkpoint.checkpointer import corruption_of
 from raytrain_ft.checkpoint.dcp_internals import FsspecReader
-from raytrain_ft.checkpoint.integrity import ChecksummedReader
+from raytrain_ft.checkpoint.integrity import ChecksummedReader, corruption_of
 from raytrain_ft.checkpoint.train_state import KEY_META, KEY_MODEL, KEY_PROGRESS, Pickled, Progress, RunMeta
 from raytrain_ft.core.errors import CheckpointError, CorruptCheckpointError
 from raytrain_ft.core.run_folder import METADATA_FILE, complete_steps, step_path

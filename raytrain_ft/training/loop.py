@@ -40,8 +40,8 @@ import time
 
 import torch
 
-from raytrain_ft.checkpoint.checkpointer import corrupt_recorder, restore_latest
 from raytrain_ft.checkpoint.interval import agreed_update, auto_schedule
+from raytrain_ft.checkpoint.restore import corrupt_recorder, restore_latest
 from raytrain_ft.checkpoint.train_state import KEY_GOODPUT, rng_key, seed_rngs
 from raytrain_ft.core.config import Config
 from raytrain_ft.core.errors import StorageFullError

@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from raytrain_ft.checkpoint.checkpointer import Checkpointer, restore_latest
+from raytrain_ft.checkpoint.checkpointer import Checkpointer
+from raytrain_ft.checkpoint.restore import restore_latest
 from raytrain_ft.checkpoint.train_state import KEY_META, KEY_MODEL, ModelState, RunMeta, TrainState
 from raytrain_ft.core.recorder import NullRecorder
 from raytrain_ft.core.run_folder import step_path
