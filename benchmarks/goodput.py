@@ -79,7 +79,7 @@ from ray.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from raytrain_ft.checkpoint.interval import daly_interval_s, expected_waste_fraction
-from raytrain_ft.core.config import load_config
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.core.run_folder import worker_records, write_worker_record
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.prepare import PrepareSettings

@@ -67,7 +67,7 @@ def main() -> int:
     from raytrain_ft.checkpoint.checkpointer import Checkpointer
     from raytrain_ft.checkpoint.reader import load_model_state_dict
     from raytrain_ft.checkpoint.train_state import ModelState, OptimizerState, TrainState
-    from raytrain_ft.core.config import load_config
+    from raytrain_ft.core.config_files import load_config
     from raytrain_ft.core.run_folder import step_path
     from raytrain_ft.model.causal_lm import flops_per_token, lm_loss
     from raytrain_ft.model.hardware import GPUS

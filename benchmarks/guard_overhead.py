@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from scipy import stats
 
-from raytrain_ft.core.config import load_config
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.data.position import Share
 from raytrain_ft.data.prepare import PrepareSettings
 from raytrain_ft.launch.prepare import prepare

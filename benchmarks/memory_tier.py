@@ -36,7 +36,7 @@ import goodput
 import ray
 from mlflow.tracking import MlflowClient
 
-from raytrain_ft.core.config import load_config
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.prepare import PrepareSettings
 from raytrain_ft.launch.driver import WORKER_ENV, run

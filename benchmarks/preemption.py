@@ -80,7 +80,7 @@ def drain_once(mode: str, preset: str, workdir: str, steps_after: int, cluster, 
     from goodput import in_thread, wait_for
     from mlflow.tracking import MlflowClient
 
-    from raytrain_ft.core.config import load_config
+    from raytrain_ft.core.config_files import load_config
     from raytrain_ft.core.run_folder import complete_steps, read_commit_ack, read_latest, step_of
     from raytrain_ft.launch.driver import run
     from raytrain_ft.telemetry.tracking import MlflowRecorder

@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 
 from raytrain_ft.checkpoint.checkpointer import Checkpointer
 from raytrain_ft.checkpoint.train_state import KEY_MODEL, KEY_OPTIM, ModelState, OptimizerState, TrainState
-from raytrain_ft.core.config import load_config
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.core.run_folder import step_path
 from raytrain_ft.model.causal_lm import lm_loss
 from raytrain_ft.model.parallel import build, local

@@ -51,7 +51,8 @@ from mlflow.tracking import MlflowClient
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 from local_run import local_run  # noqa: E402  (the Ray-free session the tests use)
-from raytrain_ft.core.config import StragglerSection, load_config  # noqa: E402
+from raytrain_ft.core.config import StragglerSection  # noqa: E402
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.data.position import BatchPlan  # noqa: E402
 from raytrain_ft.data.prepare import PrepareSettings  # noqa: E402
 from raytrain_ft.launch.prepare import prepare  # noqa: E402

@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from raytrain_ft.core.config import load_config
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.data.batches import split_passes
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.model.parallel import build

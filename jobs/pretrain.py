@@ -12,7 +12,7 @@ import sys
 
 import ray
 
-from raytrain_ft.core.config import load_config
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.core.errors import UserError
 from raytrain_ft.launch import ray_start
 from raytrain_ft.launch.driver import Terminated, job_runtime_env, run

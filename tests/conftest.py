@@ -41,7 +41,8 @@ import torch.distributed as dist
 from mlflow.tracking import MlflowClient
 
 from raytrain_ft.checkpoint.reader import load_model_state_dict, load_tensors
-from raytrain_ft.core.config import TrainSection, load_config
+from raytrain_ft.core.config import TrainSection
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.core.run_folder import step_path
 from raytrain_ft.core.schedule import lr_schedule
 from raytrain_ft.data.manifest import load_manifest

@@ -21,7 +21,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from raytrain_ft.core.config import Config, from_dict, to_dict
+from raytrain_ft.core.config import Config
+from raytrain_ft.core.config_files import from_dict, to_dict
 from raytrain_ft.core.run_folder import run_root
 from raytrain_ft.telemetry.tracking import MlflowRecorder, finish_run, flatten, start_or_resume_run
 from raytrain_ft.training.local_session import LocalSession

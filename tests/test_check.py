@@ -10,7 +10,7 @@ import pytest
 
 from conftest import REPO
 from raytrain_ft.cli import main
-from raytrain_ft.core.config import load_config
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.data.prepare import PrepareSettings
 from raytrain_ft.launch.prepare import prepare
 

@@ -28,7 +28,7 @@ import yaml
 from jsonschema import ValidationError
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from raytrain_ft.core.config import load_config
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.launch.ray_start import RAY_NODE_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

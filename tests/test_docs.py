@@ -28,7 +28,8 @@ import pytest
 import yaml
 
 from conftest import REPO
-from raytrain_ft.core.config import load_config, valid_keys
+from raytrain_ft.core.config import valid_keys
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.core.config_reference import reference_markdown
 from raytrain_ft.core.errors import UserError
 from raytrain_ft.launch.driver import WORKER_ENV

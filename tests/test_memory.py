@@ -12,7 +12,7 @@ import torch
 
 from conftest import REPO, assert_tensors_equal
 from raytrain_ft.cli import main
-from raytrain_ft.core.config import load_config
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.core.errors import ConfigError
 from raytrain_ft.model.memory import check_fits, plan
 

@@ -23,7 +23,7 @@ from conftest import REPO, assert_resumed, assert_same_state, final_state, make_
 from local_run import LocalRunFailed, local_run
 from raytrain_ft.checkpoint.reader import CheckpointReader, load_model_state_dict
 from raytrain_ft.cli import main
-from raytrain_ft.core.config import from_dict, to_dict
+from raytrain_ft.core.config_files import from_dict, to_dict
 from raytrain_ft.core.run_folder import step_path
 from raytrain_ft.data.manifest import load_manifest
 from raytrain_ft.data.order import EpochOrder

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from raytrain_ft.core.config import load_config
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.data.batches import split_passes
 from raytrain_ft.data.position import BatchPlan
 from raytrain_ft.model.parallel import build

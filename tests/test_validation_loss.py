@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 from raytrain_ft.checkpoint.train_state import ModelState
-from raytrain_ft.core.config import load_config
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.core.errors import ConfigError
 from raytrain_ft.data.manifest import Manifest, Shard
 from raytrain_ft.data.position import BatchPlan

@@ -13,7 +13,7 @@ if typing.TYPE_CHECKING:
 
 def _check(args: argparse.Namespace) -> int:
     """Everything knowable before a worker starts (`raytrain_ft.training.preflight`): one line per problem."""
-    from raytrain_ft.core.config import load_config
+    from raytrain_ft.core.config_files import load_config
     from raytrain_ft.core.errors import UserError
     from raytrain_ft.data.position import BatchPlan
     from raytrain_ft.training.preflight import goodput_projection, problems

@@ -252,7 +252,7 @@ def _plan_memory(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from raytrain_ft.core.config import load_config
+    from raytrain_ft.core.config_files import load_config
     from raytrain_ft.model import memory
     from raytrain_ft.model.causal_lm import model_name
 

@@ -14,7 +14,8 @@ from ray.exceptions import RayActorError
 from ray.train import CheckpointConfig, ControllerError, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from raytrain_ft.core.config import Config, to_dict
+from raytrain_ft.core.config import Config
+from raytrain_ft.core.config_files import to_dict
 from raytrain_ft.core.errors import UserError, find_user_error
 from raytrain_ft.core.run_folder import read_exclusions, run_root
 from raytrain_ft.core.waits import HEALTH_CHECK_INTERVAL_S

@@ -12,7 +12,7 @@ import ray.train
 from ray.train import Checkpoint, CheckpointUploadMode
 
 from raytrain_ft.checkpoint.checkpointer import prune
-from raytrain_ft.core.config import from_dict
+from raytrain_ft.core.config_files import from_dict
 from raytrain_ft.core.run_folder import read_commit_ack, read_latest, step_of, write_latest, write_worker_record
 from raytrain_ft.core.waits import wait_for
 from raytrain_ft.data.manifest import load_manifest

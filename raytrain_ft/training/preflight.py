@@ -3,7 +3,7 @@
 One function serves the driver (`raytrain_ft.launch.driver.preflight` raises the first problem
 before `TorchTrainer.fit`) and `raytrain-ft check --config FILE` (prints every problem, one line
 each). It never builds a model's weights and never starts Ray: the config's keys and types are
-checked by `raytrain_ft.core.config.load_config` before it is called; here come
+checked by `raytrain_ft.core.config_files.load_config` before it is called; here come
 
 - the batch split at every world size of `scaling.num_workers` (`BatchPlan`) and the HSDP mesh;
 - that `failure.recovery: replica` has what it needs (fixed workers, ddp, torchft);

@@ -22,7 +22,8 @@ from mlflow.tracking import MlflowClient
 from ray.cluster_utils import Cluster
 from scenarios.local_cluster import HEAD_NODE_ARGS
 
-from raytrain_ft.core.config import Config, load_config
+from raytrain_ft.core.config import Config
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.launch.driver import WORKER_ENV, run
 from raytrain_ft.telemetry.tracking import MlflowRecorder
 

@@ -33,7 +33,8 @@ from ray.cluster_utils import Cluster
 from scenarios.local_cluster import HEAD_NODE_ARGS
 
 from conftest import flip_bit
-from raytrain_ft.core.config import Config, load_config
+from raytrain_ft.core.config import Config
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.core.run_folder import worker_records
 from raytrain_ft.launch.driver import WORKER_ENV, run
 from raytrain_ft.resilience.faults import fired

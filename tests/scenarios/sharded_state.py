@@ -34,7 +34,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from raytrain_ft.checkpoint.train_state import KEY_MODEL, KEY_OPTIM, ModelState, OptimizerState, TrainState
-from raytrain_ft.core.config import load_config
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.model.causal_lm import lm_loss
 from raytrain_ft.model.parallel import build, local
 

@@ -25,7 +25,8 @@ import time
 import ray
 from ray.cluster_utils import Cluster
 
-from raytrain_ft.core.config import Config, load_config
+from raytrain_ft.core.config import Config
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.core.run_folder import read_exclusions, run_root, worker_records
 from raytrain_ft.launch.driver import WORKER_ENV, run
 from raytrain_ft.launch.ray_start import RAY_NODE_ENV

@@ -1,6 +1,7 @@
 import pytest
 
-from raytrain_ft.core.config import from_dict, load_config, to_dict, valid_keys
+from raytrain_ft.core.config import valid_keys
+from raytrain_ft.core.config_files import from_dict, load_config, to_dict
 from raytrain_ft.core.errors import ConfigError
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_ft.core.config import load_config
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.core.errors import ConfigError
 from raytrain_ft.core.fault_spec import FaultSpec
 from raytrain_ft.resilience.faults import FaultInjector

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import REPO
-from raytrain_ft.core.config import ConfigError, load_config
+from raytrain_ft.core.config_files import load_config
+from raytrain_ft.core.errors import ConfigError
 from raytrain_ft.core.run_folder import read_exclusions, record_exclusion
 from raytrain_ft.launch.driver import without_nodes
 from raytrain_ft.resilience.straggler import Exclusion, Straggler, StragglerDetector, exclusion

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_ft.core.config import load_config
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.launch.callbacks import describe, plain_cause
 from raytrain_ft.launch.driver import MAX_LINE, failure_line
 from raytrain_ft.resilience.faults import InjectedFault

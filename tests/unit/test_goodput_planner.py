@@ -14,7 +14,7 @@ from mlflow.entities import Metric
 from conftest import REPO, sqlite_store
 from raytrain_ft.checkpoint.interval import daly_interval_s, expected_waste_fraction, young_interval_s
 from raytrain_ft.cli import main
-from raytrain_ft.core.config import load_config
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.resilience import planner
 from raytrain_ft.resilience.planner import Cluster, Costs, Month
 from raytrain_ft.resilience.recovery import KILLED

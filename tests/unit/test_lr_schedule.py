@@ -8,7 +8,8 @@ import pickle
 import pytest
 import torch
 
-from raytrain_ft.core.config import TrainSection, load_config
+from raytrain_ft.core.config import TrainSection
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.core.errors import ConfigError
 from raytrain_ft.core.schedule import extension_refusal, lr_schedule
 

@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from conftest import REPO
 from raytrain_ft.checkpoint import memory_copies as copies
 from raytrain_ft.checkpoint.integrity import ChecksummedWriter
-from raytrain_ft.core.config import load_config
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.core.errors import ConfigError
 from raytrain_ft.data.manifest import Manifest
 from raytrain_ft.training.preflight import check_memory_tier

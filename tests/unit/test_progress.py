@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from raytrain_ft.core.config import load_config
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.core.hooks import StepResult
 from raytrain_ft.core.recorder import NullRecorder
 from raytrain_ft.data.position import BatchPlan, DataPosition

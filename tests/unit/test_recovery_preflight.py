@@ -2,7 +2,7 @@
 
 import pytest
 
-from raytrain_ft.core.config import load_config
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.core.errors import ConfigError
 from raytrain_ft.training.preflight import check_recovery
 

@@ -28,7 +28,8 @@ from raytrain_ft.checkpoint.train_state import (
     Progress,
     TrainState,
 )
-from raytrain_ft.core.config import FingerprintSection, GuardsSection, RankCheckSection, load_config
+from raytrain_ft.core.config import FingerprintSection, GuardsSection, RankCheckSection
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.core.recorder import Gated, NullRecorder, Recorder
 from raytrain_ft.core.run_folder import replica_final_file
 from raytrain_ft.data.audit import DataAudit

@@ -10,7 +10,7 @@ import torch
 
 from raytrain_ft.checkpoint.checkpointer import Checkpointer
 from raytrain_ft.checkpoint.train_state import KEY_MODEL, ModelState, TrainState
-from raytrain_ft.core.config import load_config
+from raytrain_ft.core.config_files import load_config
 from raytrain_ft.core.errors import ConfigError
 from raytrain_ft.core.run_folder import read_commit_ack, write_commit_ack
 from raytrain_ft.core.waits import WaitTimeoutError, bounded, conflicts, wait_for
