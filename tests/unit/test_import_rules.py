@@ -222,3 +222,11 @@ def test_no_modules_import_each_other_in_a_circle():
         if state[m] == 0:
             visit(m, [m])
     assert not circles, "import circles: " + "; ".join(circles)
+
+
+MAX_LINES = 400  # one job per module: a module past this does several (split it before growing it)
+
+
+def test_no_module_is_over_the_line_bound():
+    long = {str(p.relative_to(REPO)): n for p in modules() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
