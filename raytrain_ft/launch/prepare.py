@@ -76,7 +76,7 @@ FILES_PER_READ_TASK = 16  # files one read task interleaves: the window of the d
 IO_CPUS = 0.5
 PACK_BATCH_DOCS = 256  # documents tokenized and packed together: the dropped tail is < 1 row per batch
 SAMPLES_PER_SHARD = 8192  # rows a write task gathers before writing its shard
-WORKER_ERROR = re.compile(r"raytrain_ft\.errors\.\w+Error: (.*)")
+WORKER_ERROR = re.compile(r"raytrain_ft\.core\.errors\.\w+Error: (.*)")
 
 
 def draw_validation(tasks: ray.data.Dataset, settings: PrepareSettings) -> list[DocumentKey]:
