@@ -27,12 +27,13 @@ def restore_latest(
     clean: bool = True,
     from_memory: Callable[[int], tuple[int, set[str], str] | None] = lambda durable_step: None,
 ) -> tuple[int | None, set[str], str]:
-    """`latest`: the checkpoint Ray committed last under `run_root` (`Session.latest_checkpoint`), or None.
-    Delete uncommitted saves (unless `clean` is False: a live peer may be writing one, under
+    """Delete uncommitted saves (unless `clean` is False: a live peer may be writing one, under
     replica recovery), then load the newest checkpoint: the memory tier's when `from_memory(durable
     step)` loads one (`raytrain_ft.checkpoint.memory_tier.MemoryTier.restore`: never older than the
     durable one), else the committed durable one (or an older one if corrupt); `reader_for`:
     `Checkpointer.restore`'s (fault injection).
+
+    `latest`: the checkpoint committed last under `run_root` (`Session.latest_checkpoint`), or None.
 
     Returns the step loaded (None on a fresh start), the state keys the checkpoint held, and where it
     came from: `memory` (every rank's own node), `peer` (some rank's copy on another node), `storage`, or "".

@@ -290,7 +290,7 @@ def flops_line(cfg: Config, vocab_size: int, seq_len: int) -> str:
     device): `training FLOPs per token: 6·N + 12·L·h·s = ...`, or why a mixture of experts has none."""
     import torch
 
-    from raytrain_ft.model.causal_lm import build_model, flops_per_token
+    from raytrain_ft.model.causal_lm import build_model, flops_per_token, matmul_params
 
     with torch.device("meta"):
         model: typing.Any = build_model(cfg.model, vocab_size, seq_len)
@@ -298,7 +298,7 @@ def flops_line(cfg: Config, vocab_size: int, seq_len: int) -> str:
     if flops is None:
         return "training FLOPs per token: none (a mixture of experts: MFU is not reported)"
     c = model.config
-    n = (flops - 12 * c.num_hidden_layers * c.hidden_size * seq_len) / 6
+    n = matmul_params(model)
     return (
         f"training FLOPs per token (MFU's numerator, PaLM App. B): 6·N + 12·L·h·s = 6·{n / 1e9:.2f}e9 + "
         f"12·{c.num_hidden_layers}·{c.hidden_size}·{seq_len} = {flops:.3e}"

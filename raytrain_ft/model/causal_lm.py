@@ -205,11 +205,17 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> float | None:
     decoder layers, h the hidden size, s the sequence length; 12·L·h·s counts the attention score
     and value matmuls (Q·K^T and A·V). Source: Chowdhery et al. 2022, "PaLM", Appendix B (MFU).
     """
-    lm: Any = model  # a transformers causal LM: its config and input embedding
+    lm: Any = model  # a transformers causal LM: its config
     c = lm.config
     if max(getattr(c, "num_local_experts", 0) or 0, getattr(c, "num_experts", 0) or 0) > 1:
         return None
+    return 6 * matmul_params(model) + 12 * c.num_hidden_layers * c.hidden_size * seq_len
+
+
+def matmul_params(model: torch.nn.Module) -> int:
+    """N of `flops_per_token`: the parameters without the input embedding, unless it is tied to the
+    output embedding (then it is that matmul's weight and counts)."""
+    lm: Any = model  # a transformers causal LM: its embeddings
     embedding = lm.get_input_embeddings().weight
     tied = lm.get_output_embeddings().weight is embedding
-    n = sum(p.numel() for p in model.parameters()) - (0 if tied else embedding.numel())
-    return 6 * n + 12 * c.num_hidden_layers * c.hidden_size * seq_len
+    return sum(p.numel() for p in model.parameters()) - (0 if tied else embedding.numel())
