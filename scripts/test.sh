@@ -6,4 +6,6 @@ bash scripts/setup.sh
 .venv/bin/ruff format --check raytrain_ft jobs tests benchmarks scripts
 .venv/bin/ruff check raytrain_ft jobs tests benchmarks scripts
 .venv/bin/mypy  # the package; settings in pyproject.toml [tool.mypy]
-.venv/bin/python -m pytest "$@"
+# two test processes on 2 cores: the long Ray scenarios one after another on one, the other files on
+# the other (tests/conftest.py: pytest_collection_modifyitems); collection order, not the largest file first
+.venv/bin/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder "$@"

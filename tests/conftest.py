@@ -58,6 +58,21 @@ TESTS = os.path.join(REPO, "tests")
 STDLIB_JSON = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Shape the two workers of `pytest -n 2 --dist loadgroup` (scripts/test.sh) on 2 cores.
+
+    The `ray_scenario` tests (a minute or more of a whole run with failures, each on a Ray cluster of
+    its own or on `ray_local` with all its CPUs) form one group, run one after another on one worker
+    and first (never two such runs at once: their start and hang bounds assume the cores); every other
+    test file is one group of its own, so its module fixtures (shared runs) are made once. The other
+    worker takes those files while the scenarios run. Without xdist the markers change nothing."""
+    items.sort(key=lambda item: item.get_closest_marker("ray_scenario") is None)  # stable: files keep their order
+    for item in items:
+        group = "ray_scenario" if item.get_closest_marker("ray_scenario") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def dataset(tmp_path_factory, ray_local) -> str:
     """599 samples of 33 tokens from the stdlib `json` package, vocab 512, row groups of 2 samples.

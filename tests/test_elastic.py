@@ -4,6 +4,7 @@ the run trains at 3 workers (a global batch of 8 over 3 ranks: 2/3/3 sequences) 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from mlflow.tracking import MlflowClient
 from scenarios.elastic import elastic_config
 
@@ -17,6 +18,8 @@ from conftest import (
     uninterrupted_lrs,
 )
 from raytrain_ft.data.audit import read_audit
+
+pytestmark = pytest.mark.ray_scenario
 
 
 def metric_values(uri: str, run_id: str, key: str) -> list[float]:

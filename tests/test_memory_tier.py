@@ -3,6 +3,7 @@ node's ranks from their peer copies, and damaged copies fall back to durable sto
 
 from __future__ import annotations
 
+import pytest
 from scenarios.memory_tier import memory_config
 
 from conftest import (
@@ -14,6 +15,8 @@ from conftest import (
     run_scenario,
 )
 from raytrain_ft.data.audit import read_audit
+
+pytestmark = pytest.mark.ray_scenario
 
 
 def test_a_lost_node_restores_from_peer_copies_and_damaged_copies_fall_back_to_storage(tmp_path, dataset, reference):

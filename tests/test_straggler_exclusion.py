@@ -5,10 +5,13 @@ nothing lost; one real-Ray run per recovery mode, sharing `assert_excluded`. The
 
 from __future__ import annotations
 
+import pytest
 from scenarios.straggler_exclusion import EXCLUDE_AFTER, STEPS, exclusion_config
 
 from conftest import assert_resumed, events, expected_step_ids, run_scenario
 from raytrain_ft.data.audit import read_audit
+
+pytestmark = pytest.mark.ray_scenario
 
 
 def excluded_run(mode: str, dataset: str, tmp_path) -> dict:
