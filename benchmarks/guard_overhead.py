@@ -40,31 +40,33 @@ from raytrain_ft.launch.prepare import prepare
 from raytrain_ft.telemetry.tracking import start_or_resume_run
 from raytrain_ft.training.local_session import LocalSession
 from raytrain_ft.training.loop import Trainer, forward_backward
+from raytrain_ft.training.run_components import RunComponents
 from report import default_out, report, scratch, spawn_ranks
 
 
-def bare_step(t: Trainer) -> None:
-    passes = t.batches.take(t.position, Share(t.plan, t.rank))  # the position stays: the same batch each call
-    forward_backward(t.par, t.plan, passes, 1.0, t.device)
-    t.par.clip_grad_norm_(t.cfg.train.grad_clip)
-    t.optimizer.step()
-    t.optimizer.zero_grad(set_to_none=True)
+def bare_step(c: RunComponents) -> None:
+    passes = c.batches.take(c.position, Share(c.plan, c.rank))  # the position stays: the same batch each call
+    forward_backward(c.par, c.plan, passes, 1.0, c.device)
+    c.par.clip_grad_norm_(c.cfg.train.grad_clip)
+    c.optimizer.step()
+    c.optimizer.zero_grad(set_to_none=True)
 
 
 def worker(rank: int, args, cfg, uri: str, run_id: str, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    t = Trainer(cfg, LocalSession(os.path.join(cfg.run.storage_path, cfg.run.name), cfg.data.path, 0, uri, run_id))
+    session = LocalSession(os.path.join(cfg.run.storage_path, cfg.run.name), cfg.data.path, 0, uri, run_id)
+    t = Trainer(RunComponents(cfg, session))
     t.begin()
     for _ in range(args.steps - 1):  # warm-up, and the next full round starts at a checkpoint step
         t.step()
     if args.saves_per_round:
-        t.after_commit(t.checkpointer.wait())
+        t.c.commits.after_commit(t.c.checkpointer.wait())
 
     rng = random.Random(0)  # the same draws on both ranks
     rounds, stop = [], torch.zeros(1)
     while not stop.item():
-        order = [("bare", lambda: bare_step(t)), ("full", t.step)]
+        order = [("bare", lambda: bare_step(t.c)), ("full", t.step)]
         rng.shuffle(order)
         steps_per_s = {}
         for name, runner in order:
@@ -73,7 +75,8 @@ def worker(rank: int, args, cfg, uri: str, run_id: str, store: str, out: str) ->
             for _ in range(args.steps):
                 runner()
             if name == "full" and args.saves_per_round:
-                t.after_commit(t.checkpointer.wait())  # the round's save is charged to its round, never to the next
+                # the round's save is charged to its round, never to the next
+                t.c.commits.after_commit(t.c.checkpointer.wait())
             dist.barrier()
             steps_per_s[name] = args.steps / (time.perf_counter() - t0)
         rounds.append({"first": order[0][0], **steps_per_s, "ratio": steps_per_s["full"] / steps_per_s["bare"]})

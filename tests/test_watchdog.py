@@ -108,14 +108,16 @@ def test_a_worker_frozen_in_a_collective_at_a_start_and_in_a_save_is_stopped_and
     assert client.get_run(run_id).data.metrics["restarts"] == 3
 
 
-# Replica test: the survivor trains alone, `SLOW_S` per step from the freeze on, for longer than the
-# replacement's start bound (`REPLICA_START_BOUND_S`, which the watchdog holds the replacement to): a
-# replacement that has not reached its first step by then is stopped, a second failure that ends the
-# run. So the replacement joins before the survivor's last step (or the test fails loudly): the order
-# is forced by the bound, not won in a race. Its step bound leaves room for a slow step plus the
-# lighthouse's join window (`waits.LIGHTHOUSE_JOIN_S`, 10 s), which the survivor's quorum may wait
-# once the replacement's Manager is up and before it asks to join.
-FREEZE_STEP, SLOW_S, REPLICA_STEP_BOUND_S, REPLICA_START_BOUND_S = 6, 4.0, 20, 20
+# Replica test: the survivor trains alone, `SLOW_S` per step from the freeze on, until the replacement
+# takes part in a step (`until_members: 2`), for up to `SLOW_STEPS` steps: longer than the replacement's
+# start bound (`REPLICA_START_BOUND_S`, which the watchdog holds the replacement to; Ray Train group starts
+# measured over 90 s on a loaded 2-core machine). A replacement that has not reached its first step by
+# then is stopped, a second failure that ends the run. So the replacement joins before the survivor's
+# last step (or the test fails loudly): the order is forced by the bound, not won in a race, and the
+# test takes as long as the replacement's start, not the bound. Its step bound leaves room for a slow
+# step plus the lighthouse's join window (`waits.LIGHTHOUSE_JOIN_S`, 10 s), which the survivor's quorum
+# may wait once the replacement's Manager is up and before it asks to join.
+FREEZE_STEP, SLOW_S, REPLICA_STEP_BOUND_S, REPLICA_START_BOUND_S = 6, 4.0, 20, 120
 SLOW_STEPS = int(REPLICA_START_BOUND_S / SLOW_S) + 5  # the start bound plus 20 s of Ray's replacement
 REPLICA_STEPS = FREEZE_STEP + SLOW_STEPS + 2
 
@@ -141,7 +143,7 @@ def test_a_frozen_replica_is_stopped_and_replaced_while_the_other_trains_on(tmp_
         f"failure.hang_timeout_s={REPLICA_STEP_BOUND_S}",
         f"failure.start_timeout_s={REPLICA_START_BOUND_S}",
         f"faults=[{{kind: freeze, at: reduce, step: {FREEZE_STEP}, rank: 1}},"
-        f" {{kind: slow, step: {FREEZE_STEP}, steps: {SLOW_STEPS}, rank: 0, seconds: {SLOW_S}}}]",
+        f" {{kind: slow, step: {FREEZE_STEP}, steps: {SLOW_STEPS}, rank: 0, seconds: {SLOW_S}, until_members: 2}}]",
     )
     run_id = run(cfg)
     uri, root = cfg.tracking.uri, run_root(cfg)

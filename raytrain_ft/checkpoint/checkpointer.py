@@ -12,7 +12,7 @@ Life of a checkpoint (see docs/restart-recovery.md):
 2. `poll()` (every step) asks all ranks, with one small all-reduce on a second gloo group, whether
    their write finished. DCP's coordinator writes `.metadata` only after every rank's write, so
    "all done" means the folder is complete: `poll()` (and `wait()`) return its step, and the
-   caller commits it (`Session.commit`; the loop's `Trainer.after_commit`). The words: see the
+   caller commits it (`Session.commit`; the loop's `Commits.after_commit`). The words: see the
    glossary in docs/architecture.md.
 3. On start, `cleanup()` deletes every `step-*` folder newer than the committed one or without
    `.metadata` (a save that never completed), and `restore()` loads the committed checkpoint, every

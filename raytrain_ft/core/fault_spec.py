@@ -47,6 +47,7 @@ class FaultSpec:
         ""  # freeze: start, reduce (default), save; raise: save; kill: save, write, metadata (default: before the step)
     )
     jitter: float = 0.0  # device: each step's wait x (1 + u), u uniform in [-jitter, jitter], seeded by step and rank
+    until_members: int = 0  # slow: only in steps with fewer members than this (0: every step of its range)
 
 
 def validate_faults(faults: list[FaultSpec]) -> None:

@@ -18,7 +18,7 @@ This module imports no MLflow: the training workers import it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from typing import Protocol
 
 
 class Recorder(ABC):
@@ -125,11 +125,21 @@ class NullRecorder(Recorder):
         pass
 
 
-class Gated(Recorder):
-    """`inner`'s calls, made only while `when()` is true (else dropped, as a `NullRecorder` would)."""
+class Turn(Protocol):
+    """Whether this rank records now (the loop's step members: `StepMembers.records`)."""
 
-    def __init__(self, inner: Recorder, when: Callable[[], bool]):
-        self.inner, self.when = inner, when
+    @property
+    def records(self) -> bool: ...
+
+
+class Gated(Recorder):
+    """`inner`'s calls, made only while `turn.records` (else dropped, as a `NullRecorder` would)."""
+
+    def __init__(self, inner: Recorder, turn: Turn):
+        self.inner, self.turn = inner, turn
+
+    def when(self) -> bool:
+        return self.turn.records
 
     def metrics(self, step: int, values: dict[str, float]) -> None:
         if self.when():

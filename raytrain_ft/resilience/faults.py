@@ -81,6 +81,7 @@ from raytrain_ft.checkpoint.integrity import ChecksummedReader, ChecksummedWrite
 from raytrain_ft.core.fault_spec import FaultSpec
 from raytrain_ft.core.hooks import StepHook, StepResult
 from raytrain_ft.core.run_folder import fault_marker
+from raytrain_ft.model.parallel import Parallel
 from raytrain_ft.resilience.storage_faults import CutWriter, SlowReader, SlowWriter
 
 SAVE_FAULT_DELAY_S = 3.0  # a fault at `save` comes 0.5 s after the save started: well inside the write
@@ -122,8 +123,9 @@ class InjectedFault(RuntimeError):
 
 
 class FaultInjector(StepHook):
-    """One rank's faults. `settle`: the loop's (finish the in-flight save, wait for its commit);
-    `param`: returns the tensor a `bitflip` corrupts (this rank's first parameter tensor or shard)."""
+    """One rank's faults. `settle`: the loop's (finish the in-flight save, wait for its commit,
+    `raytrain_ft.training.commits.Commits.settle`); `par`: the model, whose first parameter tensor
+    (or shard) on this rank a `bitflip` corrupts."""
 
     def __init__(
         self,
@@ -131,9 +133,9 @@ class FaultInjector(StepHook):
         rank: int,
         run_root: str,
         settle: Callable[[], object],
-        param: Callable[[], torch.Tensor],
+        par: Parallel,
     ):
-        self.faults, self.rank, self.settle, self.param = list(enumerate(faults)), rank, settle, param
+        self.faults, self.rank, self.settle, self.par = list(enumerate(faults)), rank, settle, par
         self.run_root, self.first_step = run_root, True
         self.slept_s = 0.0  # the `slow` sleep inside the previous step's measured compute
 
@@ -233,18 +235,19 @@ class FaultInjector(StepHook):
             if self._mine(f):
                 self._freeze(i, step)
 
-    def slow_down(self, step: int, compute_s: float, sequences: int) -> None:
+    def slow_down(self, step: int, compute_s: float, sequences: int, members: int) -> None:
         """`slow` and `device`: sleep `wait_s(...)` inside this rank's compute of `step`."""
-        time.sleep(self.wait_s(step, compute_s, sequences))
+        time.sleep(self.wait_s(step, compute_s, sequences, members))
 
-    def wait_s(self, step: int, compute_s: float, sequences: int) -> float:
+    def wait_s(self, step: int, compute_s: float, sequences: int, members: int) -> float:
         """Seconds of the `slow` and `device` waits of `step` on this rank. `slow`: `(factor - 1) x`
         its own compute (`compute_s`: the previous step's measured compute seconds, less the previous
-        `slow` wait: a `device` wait counts as the rank's own compute), or `seconds`; `device`:
+        `slow` wait: a `device` wait counts as the rank's own compute), or `seconds`, in the steps of
+        fewer than `until_members` members when it is set (`members`: the step's); `device`:
         `seconds x sequences` (this rank's share of the step) `x (1 + u)` (module doc)."""
         own_s, slow_s, device_s = compute_s - self.slept_s, 0.0, 0.0
         for f in (f for _, f in self.faults if f.kind in ("slow", "device") and self._mine(f)):
-            if not f.step <= step < f.step + f.steps:
+            if not f.step <= step < f.step + f.steps or 0 < f.until_members <= members:
                 continue
             if f.kind == "device":
                 u = random.Random(step * 1_000_003 + self.rank).uniform(-f.jitter, f.jitter)
@@ -286,7 +289,7 @@ class FaultInjector(StepHook):
             if self._mine(f):
                 self._mark(i, step)
                 if f.kind == "bitflip":
-                    flip_bit(self.param())
+                    flip_bit(self.par.local_parameters()[0])
                 else:
                     time.sleep(f.seconds)
 

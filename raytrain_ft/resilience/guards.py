@@ -191,7 +191,7 @@ def replica_checksum(tensors: list[torch.Tensor]) -> int:
 class RankChecks:
     """`guards.rank_check` and `guards.fingerprint` at their intervals, and the alerts they raise.
 
-    Collectives over the step's members (`members()`: the loop's `StepMembers`, built after this):
+    Collectives over the step's members (`members`: the loop's `StepMembers`):
     every member calls them at the same steps and reaches the same decision. An alert is logged on
     every member and recorded (`recorder`: the step's recording member) as an event and a
     `rank_alerts` metric; under `guards.on_alert: restart` every member calls `settle` (an in-flight,
@@ -203,7 +203,7 @@ class RankChecks:
         self,
         cfg: GuardsSection,
         par: Parallel,
-        members: Callable[[], Members],
+        members: Members,
         recorder: Recorder,
         settle: Callable[[], object],
     ):
@@ -213,7 +213,7 @@ class RankChecks:
 
     def tags(self) -> dict[str, str]:
         """MLflow tag `replica_fingerprint`: whether the fingerprint applies."""
-        on = self.members().holds_copies(self.par)
+        on = self.members.holds_copies(self.par)
         return {"replica_fingerprint": "on" if on else "not applicable (fsdp: no two ranks hold the same weights)"}
 
     def monitor(self, step: int, local_loss: float, grad_norm: float, before_save: bool = False) -> None:
@@ -221,7 +221,7 @@ class RankChecks:
         when `before_save` (every member got it from `StepMembers.agree`: a save may follow)."""
         g = self.cfg
         if step % g.rank_check.interval_steps == 0:
-            rows = self.members().gather(torch.tensor([local_loss, grad_norm], dtype=torch.float64))
+            rows = self.members.gather(torch.tensor([local_loss, grad_norm], dtype=torch.float64))
             detail = spread_alert(rows, g.rank_check.max_spread)
             if detail is not None:
                 self.alert(step, "rank_spread", detail)
@@ -235,13 +235,13 @@ class RankChecks:
         the fingerprint now (a collective); else (one replica saves alone) False."""
         if self.checked_step == step:
             return not self.diverged
-        return self.members().saves_together and self.check_replicas(step)
+        return self.members.saves_together and self.check_replicas(step)
 
     def check_replicas(self, step: int) -> bool:
         """Compare the checksums of the same shard across the members holding copies of it; alert
         on a mismatch. True if consistent, and under fsdp (no replicas: not applicable, tagged in
         MLflow at the start)."""
-        members = self.members()
+        members = self.members
         if not members.holds_copies(self.par):
             return True
         row = torch.tensor([self.par.shard_index, replica_checksum(self.par.local_parameters())], dtype=torch.int64)

@@ -102,35 +102,36 @@ class Replicas:
         cfg: the run's config (`train.global_batch_size`, `micro_batch_size`, `scaling.num_workers`).
         state: this replica's train state; its components are what a healing peer receives.
         replica_index: this replica's Ray Train world rank (its torchft replica id, `replica_<i>`).
-        step: the progress step after the restore (the Manager's step).
-        heal_only: what a healing peer receives besides `state` and no checkpoint holds (the data
-            audit's buffered steps: those trained before this replica joined are written by
-            whichever replica commits next).
         recorder: this replica's recorder (its replica events; the loop's step records go through it
             when `records`).
         replacement: Ray Train started this replica in place of a failed one (`Role.replacement`).
+
+    Built before the restore (the loop's components hold it); `start` joins torchft once the restore
+    has set the step: a replica heartbeats to the lighthouse only from then on, so no quorum waits
+    for one that is still restoring.
     """
 
     def __init__(
-        self,
-        cfg: Config,
-        state: TrainState,
-        replica_index: int,
-        step: int,
-        heal_only: dict[str, Stateful],
-        recorder: Recorder,
-        replacement: bool = False,
+        self, cfg: Config, state: TrainState, replica_index: int, recorder: Recorder, replacement: bool = False
     ):
-        from torchft import Manager, ProcessGroupGloo  # the `[ft]` extra: imported only in this mode
-
-        self.global_batch_size, self.micro_batch_size = cfg.train.global_batch_size, cfg.train.micro_batch_size
+        self.cfg, self.global_batch_size = cfg, cfg.train.global_batch_size
+        self.micro_batch_size = cfg.train.micro_batch_size
         self.state, self.replica_index = state, replica_index
         self.recorder, self.replacement, self.joined = recorder, replacement, False
         self.last_participants: int | None = None  # of this replica's last committed step
         self.lost = False  # this replica's last step did not commit
         self.recovering_s = 0.0
-        self.healed = {k: c for k, c in state.components.items() if k not in NOT_HEALED} | heal_only
-        timeout = timedelta(seconds=cfg.waits.quorum_timeout_s)  # collectives, quorum, commit, heal transfers
+        self.share: Share | None = None
+
+    def start(self, step: int, heal_also: dict[str, Stateful]) -> None:
+        """Join torchft at `step` (the progress step after the restore: the Manager's step).
+        `heal_also`: what a healing peer receives besides the train state and no checkpoint holds
+        (the data audit's buffered steps: those trained before this replica joined are written by
+        whichever replica commits next)."""
+        from torchft import Manager, ProcessGroupGloo  # the `[ft]` extra: imported only in this mode
+
+        self.healed = {k: c for k, c in self.state.components.items() if k not in NOT_HEALED} | heal_also
+        timeout = timedelta(seconds=self.cfg.waits.quorum_timeout_s)  # collectives, quorum, commit, heal transfers
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout),
             load_state_dict=None,
@@ -141,14 +142,13 @@ class Replicas:
             quorum_timeout=timeout,
             rank=0,
             world_size=1,  # one worker per replica group (Ray Train 2.60)
-            replica_id=f"replica_{replica_index}",
+            replica_id=f"replica_{self.replica_index}",
             init_sync=False,  # every replica initialises or restores the same weights
         )
         self.manager.register_state_dict_fn("train", self._load, self._state_dict)
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
-        self.share: Share | None = None
-        if replacement:
-            recorder.event("replica_start", replica=replica_index, resumed_from=step)
+        if self.replacement:
+            self.recorder.event("replica_start", replica=self.replica_index, resumed_from=step)
 
     def _state_dict(self) -> dict[str, Any]:
         return {k: c.state_dict() for k, c in self.healed.items()}

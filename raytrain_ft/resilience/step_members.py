@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
 
 from raytrain_ft.core.config import Config
 from raytrain_ft.data.position import BatchPlan, Share
@@ -112,6 +113,11 @@ class StepMembers(Protocol):
     @property
     def rank(self) -> int:
         """This member's place in the step's split."""
+        ...
+
+    def start(self, step: int, heal_also: dict[str, Stateful]) -> None:
+        """Start the attempt's steps after the restore set `step`; a heal (replicas) also replaces
+        `heal_also`, state no checkpoint holds."""
         ...
 
     def begin(self) -> Share:

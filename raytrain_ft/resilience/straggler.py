@@ -62,8 +62,9 @@ import logging
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -290,12 +291,19 @@ def exclusion(cfg: Config) -> Exclusion | None:
     return Exclusion(cfg.straggler.exclude_after_steps, least)
 
 
+class Member(Protocol):
+    """This worker's place in the step's split (`StepMembers.rank`)."""
+
+    @property
+    def rank(self) -> int: ...
+
+
 class StragglerMonitor(StepHook):
     """The step hook (`raytrain_ft.core.hooks`) that judges each committed step's figures
     (`StepResult.compute_s_per_seq`; `step_metrics` logs them). A flagged member records a
     `straggler` event itself (`own_recorder`: its run rank, node, factor, first step, the action
-    taken) and a recovered one `straggler_recovered`; every rank logs a warning. `split_rank()`:
-    this worker's rank in the step's split; `run_rank`: its rank in the run (`Session.rank`).
+    taken) and a recovered one `straggler_recovered`; every rank logs a warning. `member.rank`:
+    this worker's rank in the step's split (the loop's `StepMembers`); `run_rank`: its rank in the run (`Session.rank`).
 
     With an `exclusion` (`straggler.action: exclude`) the flag's action is `warn` (a warning is
     all it takes then), `excluded()` lists the members `Exclusion.judge` excludes after the last
@@ -309,14 +317,14 @@ class StragglerMonitor(StepHook):
         detector: StragglerDetector,
         action: str,
         own_recorder: Recorder,
-        split_rank: Callable[[], int],
+        member: Member,
         run_rank: int,
         node: str,
         exclusion: Exclusion | None = None,
         run_root: str = "",
     ):
         self.detector, self.action, self.own = detector, action, own_recorder
-        self.split_rank, self.run_rank, self.node = split_rank, run_rank, node
+        self.member, self.run_rank, self.node = member, run_rank, node
         self.exclusion, self.run_root = exclusion, run_root
         self.due: list[Straggler] = []
 
@@ -327,7 +335,7 @@ class StragglerMonitor(StepHook):
     def record_exclusion(self, step: int) -> None:
         """This worker's `straggler` event with `action: exclude` and its run-folder record (class doc)."""
         assert self.exclusion is not None
-        flagged_step, s = self.exclusion.flagged_at[self.split_rank()]
+        flagged_step, s = self.exclusion.flagged_at[self.member.rank]
         record = {"time": time.time(), "node": self.node, "rank": self.run_rank, "step": step}
         log.warning("step %d: rank %d (node %s) excluded as a straggler", step, self.run_rank, self.node)
         self.own.event(
@@ -350,7 +358,7 @@ class StragglerMonitor(StepHook):
             )
         for s in recovered:
             log.warning("step %d: rank %d is no longer a straggler", result.step, s.rank)
-        me = self.split_rank()
+        me = self.member.rank
         for s in flagged:
             if s.rank == me:
                 self.own.event(

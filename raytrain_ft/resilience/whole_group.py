@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
 
 from raytrain_ft.data.position import Share
 from raytrain_ft.model.parallel import Parallel
@@ -25,6 +26,9 @@ class WholeGroup:
 
     def __init__(self, share: Share, group: dist.ProcessGroup):
         self.share, self.group = share, group
+
+    def start(self, step: int, heal_also: dict[str, Stateful]) -> None:
+        """Nothing to join: the process group is the members."""
 
     def begin(self) -> Share:
         return self.share

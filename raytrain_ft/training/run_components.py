@@ -1,31 +1,28 @@
 """One rank's run components: everything `loop.Trainer` runs its algorithm with, built before the attempt starts.
 
-`RunComponents(cfg, session, members, settle)` builds them, on every rank in the same order (the
-model's wrapping and the checkpointer's process groups run collectives): who records
-(`replicas.Role`), the data (`BatchPlan`, and `Batches` already filling from the committed
-checkpoint's data position, the one thing read from the checkpoint now), the model and optimizer
-(`model.parallel.build`), the LR schedule, the spike guard and rollback log, the goodput ledger,
-the train state that checkpoints them (`checkpoint.train_state.run_state`), the checkpointer and the
-memory tier (`checkpoint.memory_tier`), the rollback, the guards' cross-member checks, validation,
-the data audit, fault injection, the progress beat, the checkpoint schedule, drain notices, the
-compute timer, the step hooks in their
-order (`raytrain_ft.core.hooks`) and the attempt's record (`telemetry.attempt`). Construction only:
-nothing is restored; `build_members` builds the step members once the restore has set the step.
-
-Some components call back into the loop: `members()` returns the step members (`Trainer.begin`
-builds them, after this), `settle()` finishes and commits the in-flight save (`Trainer.settle`).
+`RunComponents(cfg, session)` builds them, on every rank in the same order (the model's wrapping
+and the checkpointer's process groups run collectives): who records (`replicas.Role`), the data
+(`BatchPlan`, and `Batches` already filling from the committed checkpoint's data position, the one
+thing read from the checkpoint now), the model and optimizer (`model.parallel.build`), the LR
+schedule, the spike guard and rollback log, the goodput ledger, the train state that checkpoints
+them (`checkpoint.train_state.run_state`), the checkpointer and the memory tier
+(`checkpoint.memory_tier`), the step members (`raytrain_ft.resilience.step_members`: the whole group
+or the torchft replicas; they join once the restore has set the step, `StepMembers.start`), the
+data audit, the saves and commits (`raytrain_ft.training.commits`), the rollback, the guards'
+cross-member checks, validation, fault injection, the progress beat, the checkpoint schedules,
+drain notices, the compute timer, the step hooks in their order (`raytrain_ft.core.hooks`) and the
+attempt's record (`telemetry.attempt`). Construction only: nothing is restored. Each component gets
+the others it calls as objects (the members, `Commits.settle`), built before it.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.stateful import Stateful
 
 from raytrain_ft.checkpoint.checkpointer import Checkpointer
 from raytrain_ft.checkpoint.fingerprint import fingerprint
@@ -68,6 +65,7 @@ from raytrain_ft.resilience.whole_group import WholeGroup
 from raytrain_ft.telemetry.attempt import AttemptRecord
 from raytrain_ft.telemetry.goodput import GoodputLedger, StepAccount
 from raytrain_ft.telemetry.step_metrics import StepMetrics
+from raytrain_ft.training.commits import Commits
 from raytrain_ft.training.session import Session
 from raytrain_ft.training.validation import Validation
 
@@ -81,17 +79,17 @@ def audit_width(cfg: Config, plan: BatchPlan) -> int:
 
 
 def straggler_hooks(
-    cfg: Config, session: Session, position: DataPosition, plan: BatchPlan, split_rank
+    cfg: Config, session: Session, position: DataPosition, plan: BatchPlan, members: StepMembers
 ) -> tuple[StragglerMonitor, Rebalance]:
     """The straggler step hooks sharing one detector (`raytrain_ft.resilience.straggler`): the
     monitor (flags, events, exclusion) and the rebalance (a no-op unless `straggler.action:
-    rebalance`) that moves the split in `position`. `split_rank()`: this worker's rank in the step's split."""
+    rebalance`) that moves the split in `position`. `members.rank`: this worker's rank in the step's split."""
     st = cfg.straggler
     detector = StragglerDetector(st.threshold, st.window, st.min_slow_steps)
     rebalance = Rebalance(detector, position, plan.global_batch_size, st.action == "rebalance", st.probe_every_steps)
     own = session.recorder(attempt=False)
     monitor = StragglerMonitor(
-        detector, st.action, own, split_rank, session.rank, session.node, exclusion(cfg), session.run_root
+        detector, st.action, own, members, session.rank, session.node, exclusion(cfg), session.run_root
     )
     return monitor, rebalance
 
@@ -107,7 +105,7 @@ def init_source(folder: str) -> str:
 class RunComponents:
     """One rank's run components (module doc), built by the constructor."""
 
-    def __init__(self, cfg: Config, session: Session, members: Callable[[], StepMembers], settle: Callable[[], None]):
+    def __init__(self, cfg: Config, session: Session):
         init_started_at = time.time()  # restore time (goodput) counts from here
         self.cfg, self.session = cfg, session
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -116,7 +114,6 @@ class RunComponents:
         self.role = role(cfg, session.rank, session.replacement)
         self.recorder = session.recorder(attempt=self.role.attempt) if self.role.records else NullRecorder()
         self.attempt_recorder = self.recorder if self.role.attempt else NullRecorder()
-        self.step_recorder = Gated(self.recorder, lambda: members().records)
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.manifest = load_manifest(cfg.data.path)
@@ -154,6 +151,24 @@ class RunComponents:
         keepers = session.memory_keepers(m.dir) if m.enabled else None
         topology = {"world_size": self.world_size, **self.par.tags()}
         self.memory = MemoryTier(keepers, m.peer_copies, self.group, cfg.failure.collective_timeout_s, topology)
+        self.members = self.build_members()
+        self.step_recorder = Gated(self.recorder, self.members)
+        self.audit = DataAudit(session.run_root, self.members.gather, cfg.data.audit, audit_width(cfg, self.plan))
+        self.beat = StepBeat(session.beat)  # every rank: the driver's watchdog stops a rank that stalls
+        # auto intervals: planned in `Trainer.begin` from the run's failures
+        schedules = CheckpointSchedule(cfg.checkpoint.interval_steps), CheckpointSchedule(max(m.interval_steps, 1))
+        self.commits = Commits(
+            session,
+            self.state,
+            self.checkpointer,
+            self.memory,
+            self.recorder,
+            self.audit,
+            self.ledger,
+            self.beat,
+            self.group,
+            schedules,
+        )
         self.roll_back = Rollback(
             cfg,
             self.manifest,
@@ -165,20 +180,12 @@ class RunComponents:
             self.step_recorder,
             self.ledger.add_gap,
         )
-        self.checks = RankChecks(cfg.guards, self.par, members, self.step_recorder, settle)
+        self.checks = RankChecks(cfg.guards, self.par, self.members, self.step_recorder, self.commits.settle)
         self.validation = Validation(
             cfg.validation, cfg.data.path, self.manifest, self.plan, self.rank, self.par, self.group, self.device
         )
-        self.audit = DataAudit(
-            session.run_root, lambda ids: members().gather(ids), cfg.data.audit, audit_width(cfg, self.plan)
-        )
-        self.faults = FaultInjector(  # a fault's rank is the run's (under replica recovery the replica's)
-            cfg.faults, session.rank, session.run_root, settle, lambda: self.par.local_parameters()[0]
-        )
-        self.beat = StepBeat(session.beat)  # every rank: the driver's watchdog stops a rank that stalls
-        # auto: planned in `Trainer.begin` from the run's failures
-        self.schedule = CheckpointSchedule(cfg.checkpoint.interval_steps)
-        self.memory_schedule = CheckpointSchedule(max(m.interval_steps, 1))  # auto: planned in `Trainer.begin`
+        # a fault's rank is the run's (under replica recovery the replica's)
+        self.faults = FaultInjector(cfg.faults, session.rank, session.run_root, self.commits.settle, self.par)
         self.preemption = Preemption(session, session.rank)
         metrics = StepMetrics(
             cfg,
@@ -192,20 +199,16 @@ class RunComponents:
             self.rank,
         )
         self.compute = ComputeTimer(self.par.model, self.device)
-        self.stragglers, rebalance = straggler_hooks(cfg, session, self.position, self.plan, lambda: members().rank)
+        self.stragglers, rebalance = straggler_hooks(cfg, session, self.position, self.plan, self.members)
         hooks = [self.faults, StepAccount(self.ledger), metrics, self.stragglers, rebalance, self.audit, self.beat]
         self.hooks = StepHooks(hooks)
         self.attempt = AttemptRecord(
             self.attempt_recorder, self.ledger, init_started_at, self.world_size, self.plan.batch_balance
         )
 
-    def build_members(self, step: int) -> StepMembers:
-        """The step members from `step` on (`raytrain_ft.resilience.step_members`): the whole group
-        (`failure.recovery: restart`), or a torchft quorum of replicas healing to the restored `step`,
-        with what a heal replaces (the train state, and the data audit's window)."""
+    def build_members(self) -> StepMembers:
+        """The step members (`raytrain_ft.resilience.step_members`): the whole group
+        (`failure.recovery: restart`), or this rank's torchft replica, which joins at `StepMembers.start`."""
         if self.cfg.failure.recovery == "replica":
-            heal_only: dict[str, Stateful] = {"audit": self.audit}
-            return Replicas(
-                self.cfg, self.state, self.session.rank, step, heal_only, self.recorder, self.role.replacement
-            )
+            return Replicas(self.cfg, self.state, self.session.rank, self.recorder, self.role.replacement)
         return WholeGroup(Share(self.plan, self.rank), self.group)

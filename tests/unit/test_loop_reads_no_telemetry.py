@@ -1,8 +1,9 @@
 """The loop writes to its recorder and never decides from it (issue: telemetry is a sink).
 
 Read from the syntax trees of `raytrain_ft/training/loop.py` and of the modules holding the rest of
-`Trainer`'s code (its construction, `run_components`; its attempt record, `telemetry.attempt`; its
-members leaving after a step, `resilience.leaving`), so a branch that comes back is red without a
+`Trainer`'s code (its construction, `run_components`; its saves and commits, `commits`; its attempt
+record, `telemetry.attempt`; its members leaving after a step, `resilience.leaving`), so a branch
+that comes back is red without a
 run: no `if`/`while`/conditional expression/`and`/`or` tests a recorder, and nothing calls a
 recorder's (or the tracking store's) read methods. The run's past reaches the loop through
 `Session.history()`.
@@ -15,12 +16,14 @@ from pathlib import Path
 
 import raytrain_ft.resilience.leaving
 import raytrain_ft.telemetry.attempt
+import raytrain_ft.training.commits
 import raytrain_ft.training.loop
 import raytrain_ft.training.run_components
 
 MODULES = (
     raytrain_ft.training.loop,
     raytrain_ft.training.run_components,
+    raytrain_ft.training.commits,
     raytrain_ft.telemetry.attempt,
     raytrain_ft.resilience.leaving,
 )

@@ -100,7 +100,8 @@ def test_one_replica_trains_the_whole_batch_and_commits(lighthouse, tmp_path):
     state.add(KEY_OPTIM, OptimizerState(model, optimizer))
     guard = SpikeGuard(skipped=2)
     state.add(KEY_GUARDS, Pickled(guard))
-    replicas = Replicas(cfg, state, replica_index=0, step=5, heal_only={}, recorder=NullRecorder())
+    replicas = Replicas(cfg, state, replica_index=0, recorder=NullRecorder())
+    replicas.start(5, heal_also={})
 
     share = replicas.begin()
     assert share == Share(BatchPlan(8, cfg.train.micro_batch_size, 1), 0)
@@ -143,7 +144,8 @@ def test_no_quorum_within_the_bound_is_an_error_not_a_wait(monkeypatch):
     model = torch.nn.Linear(3, 2)
     state = TrainState(0)
     state.add(KEY_MODEL, ModelState(model))
-    replicas = Replicas(cfg, state, replica_index=0, step=0, heal_only={}, recorder=NullRecorder())
+    replicas = Replicas(cfg, state, replica_index=0, recorder=NullRecorder())
+    replicas.start(0, heal_also={})
     started = time.monotonic()
     try:
         with pytest.raises(TimeoutError, match="Timeout expired"):
@@ -197,9 +199,10 @@ class Replica:
         self.state.add(KEY_PROGRESS, Pickled(self.progress))
         self.state.add(KEY_DATA, Pickled(self.position))
         self.state.add(KEY_GUARDS, Pickled(self.guard))
-        self.audit = DataAudit("unused", lambda ids: self.replicas.gather(ids), enabled=True, width=4)
         self.recorder: Recorder = Events()
-        self.replicas = Replicas(cfg, self.state, index, 0, {"audit": self.audit}, self.recorder, replacement)
+        self.replicas = Replicas(cfg, self.state, index, self.recorder, replacement)
+        self.audit = DataAudit("unused", self.replicas.gather, enabled=True, width=4)
+        self.replicas.start(0, heal_also={"audit": self.audit})
         self.par = Parallel("ddp", self.model, self.model, 1, 1, 0, False)
         self.participants: list[int] = []
         self.skipped: list[int] = []
@@ -209,8 +212,8 @@ class Replica:
             fingerprint=FingerprintSection(interval_steps=fingerprint_every),
             on_alert="restart",
         )
-        recorder = Gated(self.recorder, lambda: self.replicas.records)
-        self.checks = RankChecks(guards, self.par, lambda: self.replicas, recorder, settle=lambda: None)
+        recorder = Gated(self.recorder, self.replicas)
+        self.checks = RankChecks(guards, self.par, self.replicas, recorder, settle=lambda: None)
         self.loss = 1.0  # the loss this replica hands the rank check
         self.fingerprints: list[tuple[int, list]] = []  # (step, the [shard, checksum] rows compared)
         gather = self.replicas.gather

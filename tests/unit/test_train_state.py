@@ -68,7 +68,7 @@ def test_scheduler_state_round_trips_exactly(tmp_path):
 
 def test_a_save_while_one_is_in_flight_is_refused_and_each_completed_step_is_returned(tmp_path, process_group):
     # at most one save in flight: the caller completes (and commits) the previous one first, so no
-    # completed step is lost inside `save` (the loop's `Trainer.save`: `after_commit(wait())`)
+    # completed step is lost inside `save` (`raytrain_ft.training.commits.Commits.save`: `after_commit(wait())`)
     state = TrainState(rank=0)
     state.add("model", ModelState(torch.nn.Linear(8, 8)))
     ckpt = Checkpointer(str(tmp_path))
