@@ -62,14 +62,15 @@ STDLIB_JSON = os.path.join(sysconfig.get_paths()["stdlib"], "json", "*.py")
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Shape the two workers of `pytest -n 2 --dist loadgroup` (scripts/test.sh) on 2 cores.
 
-    The `ray_scenario` tests (a minute or more of a whole run with failures, each on a Ray cluster of
-    its own or on `ray_local` with all its CPUs) form one group, run one after another on one worker
-    and first (never two such runs at once: their start and hang bounds assume the cores); every other
-    test file is one group of its own, so its module fixtures (shared runs) are made once. The other
-    worker takes those files while the scenarios run. Without xdist the markers change nothing."""
-    items.sort(key=lambda item: item.get_closest_marker("ray_scenario") is None)  # stable: files keep their order
+    The `exclusive` tests (whose bounds or measurements assume the machine's cores: a whole run with
+    failures, a minute or more, on a Ray cluster of its own or on `ray_local` with all its CPUs; a
+    straggler detection from measured compute seconds) form one group, run one after another on one
+    worker and first (never two at once); every other test file is one group of its own, so its
+    module fixtures (shared runs) are made once. The other worker takes those files, at a lower CPU
+    priority (`pytest_runtest_setup`). Without xdist the markers change nothing."""
+    items.sort(key=lambda item: item.get_closest_marker("exclusive") is None)  # stable: files keep their order
     for item in items:
-        group = "ray_scenario" if item.get_closest_marker("ray_scenario") else item.nodeid.split("::")[0]
+        group = "exclusive" if item.get_closest_marker("exclusive") else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
 
 
@@ -81,6 +82,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         raise pytest.UsageError(
             "pytest-xdist ignored the test groups: install the pinned pytest: pip install -e '.[dev]'"
         )
+
+
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures: the processes they start inherit it
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Under xdist, a worker about to run a test that is not `exclusive` lowers its own CPU priority
+    (nice 10), once: the exclusive tests' bounds assume the cores, so the other worker's tests (and
+    the Ray processes they start) take the CPU those leave. The worker of the exclusive group runs it
+    first and only then other tests (`pytest_collection_modifyitems`), so no exclusive test runs niced."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and not item.get_closest_marker("exclusive") and os.nice(0) < 10:
+        os.nice(10 - os.nice(0))
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import tempfile
 from datetime import timedelta
 
@@ -70,6 +71,19 @@ def _rank(rank: int, config: dict, run_id: str, world_size: int, store: str) -> 
         dist.destroy_process_group()
 
 
+def rank_errors(error_files: list[str]) -> str:
+    """The last line of every rank's error that torch's `start_processes` wrote (those that raised), by
+    rank: the first rank `join` found dead is often one whose collective failed because a peer raised,
+    so the cause is in another rank's line."""
+    lines = []
+    for rank, path in enumerate(error_files):
+        if os.access(path, os.R_OK):
+            with open(path, "rb") as f:
+                trace = pickle.load(f).strip()
+            lines.append(f"rank {rank}: {trace.splitlines()[-1] if trace else '?'}")
+    return "; ".join(lines)
+
+
 def local_run(cfg: Config, world_size: int | None = None) -> str:
     """Run `cfg` to the end without Ray at `world_size` ranks (default: the config's); return the
     MLflow run id. The run ends FINISHED or FAILED as a driver's does (`tracking.finish_run`).
@@ -93,7 +107,7 @@ def local_run(cfg: Config, world_size: int | None = None) -> str:
             while not ranks.join(grace_period=FAILED_RANK_GRACE_S):
                 pass
         except ProcessException as e:  # a rank raised or died: the others ended or were terminated
-            errors.append(str(e).strip().splitlines()[-1] if str(e).strip() else repr(e))
+            errors.append(rank_errors(ranks.error_files) or repr(e))
             continue
         finish_run(MlflowRecorder(uri, run_id), root, failed=False)  # the driver's owner of the end status
         return run_id

@@ -54,7 +54,7 @@ from raytrain_ft.launch.driver import restarts_left, run
 from raytrain_ft.resilience.recovery import GROUP_START, KILLED, failures, recovery_rows
 from raytrain_ft.telemetry.tracking import MlflowRecorder, steps_logged_since
 
-pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.ray_scenario]
+pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.exclusive]
 
 SEED = int(os.environ.get("CHAOS_SEED", "13"))
 HOLD_S = 1.5  # slow storage: every save's write and every restore's read is held this long

@@ -1,5 +1,6 @@
 """Elastic training on a 3-node local cluster: a node gets a preemption notice, is removed, and comes back;
-the run trains at 3 workers (a global batch of 8 over 3 ranks: 2/3/3 sequences) and at 2."""
+the run trains at 3 workers (a global batch of 8 over 3 ranks: 2/3/3 sequences) and at 2, with the
+memory tier on (a resize restores the durable checkpoint)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from conftest import (
 )
 from raytrain_ft.data.audit import read_audit
 
-pytestmark = pytest.mark.ray_scenario
+pytestmark = pytest.mark.exclusive
 
 
 def metric_values(uri: str, run_id: str, key: str) -> list[float]:
@@ -49,6 +50,13 @@ def test_preemption_then_shrink_on_node_loss_then_grow_back(tmp_path, dataset):
     attempts = assert_resumed(cfg.tracking.uri, run_id, [0, preempted_at, COMMITTED])
     assert [a["world_size"] for a in attempts] == [3, 2, 3]  # start, node loss, node back
     assert attempts[-1]["resumed_from"] >= preempted_at
+    # with the memory tier on, each resized group restored the durable checkpoint: the shrunk one
+    # passed over the copies of a step newer than it that the group of 3 had committed before the
+    # node went (the scenario waits for one), and every copy passed over was of another world size
+    assert [a["restored_from"] for a in attempts] == ["", "storage", "storage"]
+    skipped = [e["reason"] for e in events(cfg.tracking.uri, run_id, "memory_copy_skipped")]
+    assert any("saved at {'world_size': 3" in r and "now {'world_size': 2" in r for r in skipped), skipped
+    assert all("'world_size': 3" in r and "'world_size': 2" in r for r in skipped), skipped
     # the split's balance at each size: 8 / (3 x 3) at W=3 (the sequence-level bound), even at W=2
     assert metric_values(cfg.tracking.uri, run_id, "batch_balance") == [8 / 9, 1.0, 8 / 9]
     # the split changed twice; the LR schedule continued as in an uninterrupted run

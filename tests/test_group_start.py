@@ -27,7 +27,7 @@ from raytrain_ft.launch.driver import run
 from raytrain_ft.resilience.recovery import GROUP_START, failures
 from raytrain_ft.telemetry.tracking import MlflowRecorder
 
-pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.ray_scenario]
+pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.exclusive]
 
 FAULTS = (
     "faults=[{kind: kill, step: 7, rank: 1}, {kind: kill_in_setup, step: 5, rank: 1},"

@@ -240,7 +240,7 @@ def wait_for_no_train_controller(address: str) -> None:
         time.sleep(0.5)
 
 
-@pytest.mark.ray_scenario
+@pytest.mark.exclusive
 def test_a_stopped_job_and_a_killed_driver_are_resubmitted_into_one_finished_run(tmp_path, dataset, head):
     """One run, three submissions of the same `ray job submit`, on a cluster that stays up:
     1. `ray job stop` (SIGTERM to the driver, SIGKILL after `RAY_JOB_STOP_WAIT_TIME_S`) once step 10 was

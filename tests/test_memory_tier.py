@@ -16,7 +16,7 @@ from conftest import (
 )
 from raytrain_ft.data.audit import read_audit
 
-pytestmark = pytest.mark.ray_scenario
+pytestmark = pytest.mark.exclusive
 
 
 def test_a_lost_node_restores_from_peer_copies_and_damaged_copies_fall_back_to_storage(tmp_path, dataset, reference):

@@ -18,7 +18,7 @@ from raytrain_ft.core.run_folder import replica_final_file
 from raytrain_ft.data.audit import read_audit
 
 
-@pytest.mark.ray_scenario
+@pytest.mark.exclusive
 def test_a_drained_replica_leaves_at_a_step_boundary_and_is_replaced_without_a_restart_or_a_lost_step(
     tmp_path, dataset, capsys
 ):

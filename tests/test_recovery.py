@@ -52,7 +52,7 @@ def tracking_server(tmp_path_factory):
         yield url
 
 
-@pytest.mark.ray_scenario
+@pytest.mark.exclusive
 def test_three_failures_make_three_recovery_rows_and_the_history_cli_prints_them(
     tmp_path, dataset, tracking_server, monkeypatch, reference
 ):

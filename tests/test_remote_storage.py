@@ -17,7 +17,7 @@ from moto.server import ThreadedMotoServer
 from conftest import REPO, assert_resumed, assert_same_state, checkpoint_state, free_port
 from raytrain_ft.core.run_folder import step_path
 
-pytestmark = pytest.mark.ray_scenario
+pytestmark = pytest.mark.exclusive
 
 
 @pytest.fixture

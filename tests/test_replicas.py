@@ -61,7 +61,7 @@ from raytrain_ft.resilience.recovery import KILLED, recovery_rows, replacement_r
 from raytrain_ft.resilience.replicas import state_digest
 from raytrain_ft.telemetry.tracking import MlflowRecorder, steps_logged_since
 
-pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.ray_scenario]
+pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.exclusive]
 
 SEED = int(os.environ.get("REPLICA_SEED", "5"))
 STEPS = 46

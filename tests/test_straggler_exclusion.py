@@ -11,7 +11,7 @@ from scenarios.straggler_exclusion import EXCLUDE_AFTER, STEPS, exclusion_config
 from conftest import assert_resumed, events, expected_step_ids, run_scenario
 from raytrain_ft.data.audit import read_audit
 
-pytestmark = pytest.mark.ray_scenario
+pytestmark = pytest.mark.exclusive
 
 
 def excluded_run(mode: str, dataset: str, tmp_path) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 
 import numpy as np
+import pytest
 import torch
 
 from conftest import (
@@ -25,6 +26,8 @@ from local_run import local_run
 from raytrain_ft.core.run_folder import step_path, write_latest
 from raytrain_ft.data.audit import read_audit
 from raytrain_ft.resilience.rebalance import proportional_split
+
+pytestmark = pytest.mark.exclusive  # the flags come from measured compute seconds: never beside other tests
 
 STEPS = 30
 THREE = ("scaling.num_workers=3", f"train.max_steps={STEPS}", "checkpoint.interval_steps=100")

@@ -38,7 +38,7 @@ from raytrain_ft.launch.driver import run
 from raytrain_ft.resilience.recovery import failures
 from raytrain_ft.resilience.replicas import state_digest
 
-pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.ray_scenario]
+pytestmark = [pytest.mark.usefixtures("ray_local"), pytest.mark.exclusive]
 
 STEP_BOUND_S = 8  # this run's steps take about 0.1 s, its saves and restores under 2 s
 # the start frozen in its restore is found dead by liveness (its process stopped for this long), not by the

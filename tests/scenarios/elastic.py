@@ -9,6 +9,7 @@ just before the node was added back and at the end, and the drained node, when a
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -60,6 +61,10 @@ def elastic_config(dataset: str, workdir: str) -> Config:
             # size (3) before trying 2 (default 60 s); a group of free resources is ready in under 1 s
             "failure.group_start_timeout_s=5",
             "data.audit=true",
+            # the memory tier on: a resized group finds only copies of another world size, skips them
+            # (recorded) and restores the durable checkpoint (docs/memory-tier.md)
+            "checkpoint.memory.interval_steps=3",
+            f"checkpoint.memory.dir={workdir}/shm",
         ],
     )
 
@@ -104,8 +109,15 @@ def main(dataset: str, workdir: str) -> None:
     )
     drain_returned = time.time()
     logger = MlflowRecorder(cfg.tracking.uri, run_id)
-    while not any(e["kind"] == "preemption" for e in logger.events()):
+    while not (notices := [e for e in logger.events() if e["kind"] == "preemption"]):
         time.sleep(0.5)
+    # the group trains on at 3 until the node goes: wait for a committed memory copy newer than the
+    # step saved for the notice, which the shrunk group must pass over (another world size)
+    saved = notices[0]["step_saved"]
+    while not any(
+        int(p.split("step-")[-1].split("/")[0]) > saved for p in glob.glob(f"{workdir}/shm/*/*/rank-*/step-*/COMMITTED")
+    ):
+        time.sleep(0.2)
     # ... then the node goes.
     cluster.remove_node(worker_node, allow_graceful=False)
     while 2 not in world_sizes(cfg.tracking.uri, run_id) and trainer.is_alive():
