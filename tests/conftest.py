@@ -66,8 +66,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     failures, a minute or more, on a Ray cluster of its own or on `ray_local` with all its CPUs; a
     straggler detection from measured compute seconds) form one group, run one after another on one
     worker and first (never two at once); every other test file is one group of its own, so its
-    module fixtures (shared runs) are made once. The other worker takes those files, at a lower CPU
-    priority (`pytest_runtest_setup`). Without xdist the markers change nothing."""
+    module fixtures (shared runs) are made once. The other worker takes those files, in the idle
+    scheduling class (`pytest_runtest_setup`). Without xdist the markers change nothing."""
     items.sort(key=lambda item: item.get_closest_marker("exclusive") is None)  # stable: files keep their order
     for item in items:
         group = "exclusive" if item.get_closest_marker("exclusive") else item.nodeid.split("::")[0]
@@ -86,12 +86,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before the test's fixtures: the processes they start inherit it
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Under xdist, a worker about to run a test that is not `exclusive` lowers its own CPU priority
-    (nice 10), once: the exclusive tests' bounds assume the cores, so the other worker's tests (and
-    the Ray processes they start) take the CPU those leave. The worker of the exclusive group runs it
-    first and only then other tests (`pytest_collection_modifyitems`), so no exclusive test runs niced."""
-    if os.environ.get("PYTEST_XDIST_WORKER") and not item.get_closest_marker("exclusive") and os.nice(0) < 10:
-        os.nice(10 - os.nice(0))
+    """Under xdist, a worker about to run a test that is not `exclusive` moves itself, once, to Linux's
+    idle scheduling class (`SCHED_IDLE`: it runs only on a core nothing else wants): the exclusive
+    tests' bounds assume the cores, so the other worker's tests, and the Ray processes they start
+    (they inherit it), take only the CPU those leave. A niceness would not do: Ray runs its worker
+    processes at nice 15 (`RAY_worker_niceness`), below a nice-10 pytest worker and barely above a
+    nice-19 one. The worker of the exclusive group runs it first and only then other tests
+    (`pytest_collection_modifyitems`), so no exclusive test runs idle-class."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and not item.get_closest_marker("exclusive") and os.sched_getscheduler(0) != os.SCHED_IDLE:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
 @pytest.fixture(scope="session")
