@@ -8,8 +8,9 @@ Run by tests/test_sharding.py and tests/test_memory.py in a subprocess. Usage:
 OUT/result.json always gets {"world_size": N, ...} (N: 2 unless given).
 
 * `NAME=CHECKPOINT=STRATEGY`: build the tiny model under STRATEGY at N ranks (`raytrain_ft.model.parallel`),
-  load the model and AdamW state of CHECKPOINT into it (DCP, as `Checkpointer.restore` does: the
-  optimizer state allocated from the checkpoint's metadata first, `TrainState.allocate`), gather
+  load the model and AdamW state of CHECKPOINT into it through the restore a resume runs
+  (`Checkpointer.restore`: every byte verified, the optimizer state allocated from the checkpoint's
+  metadata, every entry required; the run's own metadata, so the fingerprint matches), gather
   the full tensors and write them (rank 0) to OUT/NAME.pt, keyed like `conftest.final_state`.
 * `--bytes PRESET=VOCAB=SEQ_LEN`: for ddp and fsdp, one forward/backward (each rank its own
   tokens, the same under both strategies), `Parallel.clip_grad_norm_`, one AdamW step, then every
@@ -33,12 +34,26 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-from raytrain_ft.checkpoint.train_state import KEY_MODEL, KEY_OPTIM, ModelState, OptimizerState, TrainState
+from raytrain_ft.checkpoint.checkpointer import Checkpointer
+from raytrain_ft.checkpoint.reader import peek
+from raytrain_ft.checkpoint.train_state import (
+    KEY_META,
+    KEY_MODEL,
+    KEY_OPTIM,
+    ModelState,
+    OptimizerState,
+    RunMeta,
+    TrainState,
+)
 from raytrain_ft.core.config_files import load_config
 from raytrain_ft.model.causal_lm import lm_loss
 from raytrain_ft.model.parallel import build, local
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def refuse(path: str, reason: str) -> None:
+    raise AssertionError(f"{path} did not load: {reason}")
 
 
 def load_full(out: str, name: str, checkpoint: str, strategy: str) -> None:
@@ -49,8 +64,11 @@ def load_full(out: str, name: str, checkpoint: str, strategy: str) -> None:
     state = TrainState(dist.get_rank())
     state.add(KEY_MODEL, ModelState(par.model))
     state.add(KEY_OPTIM, OptimizerState(par.model, optimizer))
-    state.allocate(meta)
-    dcp.load(dict(state.components), checkpoint_id=checkpoint)
+    run_meta = RunMeta(fingerprint={})
+    peek(checkpoint, {KEY_META: run_meta})  # the run's own: this load is that run resuming at another size
+    state.add(KEY_META, run_meta)
+    loaded, keys = Checkpointer(os.path.dirname(checkpoint)).restore(state, [checkpoint], on_corrupt=refuse)
+    assert loaded == checkpoint and keys == {KEY_MODEL, KEY_OPTIM}, (loaded, keys)
     model = get_model_state_dict(par.model, options=FULL)
     optim, _ = flatten_state_dict(get_optimizer_state_dict(par.model, optimizer, options=FULL))
     if dist.get_rank() == 0:
