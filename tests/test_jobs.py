@@ -4,6 +4,7 @@ stop`, a dead driver, resubmission; and that head's security: loopback only, no 
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import ipaddress
 import json
@@ -107,16 +108,16 @@ class Head(NamedTuple):
     session: int  # the session id of its processes
 
 
-@pytest.fixture(scope="module")
-def ray_head() -> Iterator[Head]:
-    """A head started by the demo's own `scripts/start_head.sh` (2 CPUs, token auth, loopback) for the
-    module's jobs; yields it once it has run a job.
+@contextlib.contextmanager
+def started_head() -> Iterator[Head]:
+    """A head started by the demo's own `scripts/start_head.sh` (2 CPUs, token auth, loopback), a cluster
+    of its own; yields it once it has run a job, stops it after.
 
     Only the dashboard's port is chosen here; Ray binds every other port itself (0), since a port
     picked free here can be taken by a worker of the test session's own Ray before the head binds it.
     Its own `--temp-dir` keeps it apart from that Ray's `/tmp/ray`. The dashboard answers before its
     job agent has registered (Ray's submit then fails with "No available agent ... try again later"),
-    so the head is ready when a no-op job has succeeded, within 180 s, or the fixture fails with the
+    so the head is ready when a no-op job has succeeded, within 180 s, or the test fails with the
     agent's log."""
     dashboard = free_port()
     temp_dir = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # short: Ray's socket paths live under it
@@ -147,6 +148,13 @@ def ray_head() -> Iterator[Head]:
         kill_session(proc.pid)
         proc.wait()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ray_head() -> Iterator[Head]:
+    """The module's head (`started_head`) for its jobs."""
+    with started_head() as h:
+        yield h
 
 
 @pytest.fixture
@@ -206,6 +214,12 @@ def committed_steps(snapshot) -> list[int]:
     return sorted({int(s) for s in re.findall(r'"step-(\d+)"', snapshot.read_text())})
 
 
+def copy_steps(memory_dir: Path) -> list[int]:
+    """Steps of the memory tier's committed copies under `memory_dir`, any node's, any rank's (read by
+    the test, which sees the machine's files; a run reads another node's only through its keeper)."""
+    return [int(Path(p).parent.name.split("-")[1]) for p in glob.glob(f"{memory_dir}/*/*/rank-*/step-*/COMMITTED")]
+
+
 def assert_resubmission_succeeded(r: subprocess.CompletedProcess, tmp_path, name: str, last_step: int) -> None:
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"run {name} finished" in r.stdout and "succeeded" in r.stdout
@@ -245,17 +259,21 @@ def test_a_stopped_job_and_a_killed_driver_are_resubmitted_into_one_finished_run
     """One run, three submissions of the same `ray job submit`, on a cluster that stays up:
     1. `ray job stop` (SIGTERM to the driver, SIGKILL after `RAY_JOB_STOP_WAIT_TIME_S`) once step 10 was
        committed: the driver ends its MLflow run as KILLED and says so in its last line;
-    2. the resubmission resumes, and after its next commit its driver alone is SIGKILLed: nothing in
-       the driver can clean up or record anything, and Ray ends the driver's actors (the Train
-       controller, the workers, the tracking actor and the values it held);
-    3. the resubmission resumes from the last checkpoint Ray had registered, into the same MLflow
-       run, and finishes it;
+    2. the resubmission resumes, with the memory tier on from here, and once a memory copy newer than
+       its next durable commit is in place its driver alone is SIGKILLed: nothing in the driver can
+       clean up or record anything, and Ray ends the driver's actors (the Train controller, the
+       workers, the tracking actor and the values it held), not the copies' keepers;
+    3. resubmitted on a new cluster (another head; the first one, its keepers and their copies still
+       up): it resumes from the last checkpoint Ray had registered, not from the newer copies of the
+       first cluster's node (another cluster's copies are never read: docs/memory-tier.md), into the
+       same MLflow run, and finishes it;
     4. a submission of another model into the finished run's folder is refused in one line."""
     name, steps = "resub", 30
     args = run_args(tmp_path, dataset, f"run.name={name}", f"train.max_steps={steps}", "checkpoint.interval_steps=5")
     # faults may change between submissions: steps of 1 s after step 10 where a stop or a kill must land
     # mid-run, none for the last submission
     slow = f"faults=[{{kind: slow, step: 11, steps: {steps - 10}, seconds: 1.0, rank: -1}}]"
+    tier = ["checkpoint.memory.interval_steps=3", f"checkpoint.memory.dir={tmp_path / 'shm'}"]
     snapshot = tmp_path / "runs" / name / "checkpoint_manager_snapshot.json"
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
 
@@ -285,24 +303,33 @@ def test_a_stopped_job_and_a_killed_driver_are_resubmitted_into_one_finished_run
     assert stopped.info.status == "KILLED" and stopped.info.end_time is not None
 
     # 2. resubmitted, its driver SIGKILLed after its first commit
-    r = submit(head, "resub-2", [*args, slow], "--no-wait")
+    r = submit(head, "resub-2", [*args, slow, *tier], "--no-wait")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     wait_for_commit(head, "resub-2", snapshot, stopped_at + 5)
+    newer = lambda: [s for s in copy_steps(tmp_path / "shm") if s > max(committed_steps(snapshot))]  # noqa: E731
+    deadline = time.time() + 120
+    while not newer():
+        assert time.time() < deadline, "no memory copy newer than the durable checkpoint within 120 s"
+        time.sleep(0.2)
     os.kill(driver_pid(str(tmp_path / "runs")), signal.SIGKILL)
     assert wait_for_end(head, "resub-2") == JobStatus.FAILED
     wait_for_no_train_controller(head)
     killed_at = max(committed_steps(snapshot))
     assert stopped_at < killed_at < steps
+    assert max(copy_steps(tmp_path / "shm")) > killed_at  # left on the first cluster's node, its keeper up
     assert the_run().info.status == "RUNNING"  # the resubmission reopened it, and nobody was left to end it
 
-    # 3. resubmitted: finished
-    assert_resubmission_succeeded(submit(head, "resub-3", [*args, "faults=[]"]), tmp_path, name, steps)
+    # 3. resubmitted on a new cluster: finished
+    with started_head() as other:
+        r = submit(other.address, "resub-3", [*args, "faults=[]", *tier])
+    assert_resubmission_succeeded(r, tmp_path, name, steps)
     finished = the_run()
     assert finished.info.run_id == stopped.info.run_id and finished.info.status == "FINISHED"
     # Ray's snapshot is the record of what committed: each resubmission resumed from its last registration
     # (the killed tracking actor's values died with it, so `assert_resumed` has no MLflow evidence for it)
     attempts = events(f"sqlite:///{tmp_path / 'mlflow.db'}", finished.info.run_id, "attempt_start")
     assert [a["resumed_from"] for a in attempts] == [0, stopped_at, killed_at]
+    assert [a["restored_from"] for a in attempts] == ["", "storage", "storage"]
     # one value per step of the stopped attempt, its unpublished ones included (recovered from
     # train_live/loss), and of the last one
     logged = {m.step for m in client.get_metric_history(finished.info.run_id, "train/loss")}
