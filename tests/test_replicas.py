@@ -101,6 +101,10 @@ def test_replicas_killed_in_the_all_reduce_in_a_save_and_all_at_once_keep_every_
         NAN,
         f"{{kind: hold_reduce, step: {hold_step}, rank: 1, seconds: {HOLD_S}}}",
         f"{{kind: kill, at: save, step: {SAVE_KILL_STEP}, rank: 0}}",
+        # a survivor alone takes 5 s a step until the replacement takes part (`until_members: 2`): each
+        # replacement joins within its window (before SAVE_KILL_STEP, by resume_step) even if its start
+        # takes a minute under load (replica 1's once joined at step 24 at 1 s a step)
+        f"{{kind: slow, step: {hold_step}, steps: {STEPS - hold_step + 1}, rank: -1, seconds: 4.0, until_members: 2}}",
     ]
     cfg = make_config(
         tmp_path,
