@@ -187,17 +187,57 @@ _EMPTY_STORE = os.path.join(tempfile.mkdtemp(prefix="mlflow-empty-"), "mlflow.db
 WAIT_S = 600  # any single wait of a fault-injecting test longer than this is a hung run, not a slow machine
 
 
-def wait_for(what: str, condition, trainer: threading.Thread):
+class BackgroundRun(threading.Thread):
+    """`entry(cfg)` (the driver's `run`, or `local_run`) in a daemon thread, started at once, so that a
+    test can kill processes while the run trains. Keeps what the run returned (`run_id`) or the
+    exception it raised (`error`), which `wait_for` and `finished` name when the run ended early."""
+
+    def __init__(self, entry, cfg):
+        super().__init__(daemon=True)
+        self._entry, self._cfg = entry, cfg
+        self.run_id: str | None = None
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.run_id = self._entry(self._cfg)
+        except BaseException as e:  # kept for the test's message; the thread ends either way
+            self.error = e
+
+    def outcome(self) -> str:
+        return f"{type(self.error).__name__}: {self.error}" if self.error else f"returned {self.run_id!r}"
+
+    def finished(self, timeout_s: float = WAIT_S) -> str:
+        """Join the run (at most `timeout_s`); its run id. Raises AssertionError if it is still running
+        or it raised."""
+        self.join(timeout=timeout_s)
+        assert not self.is_alive(), f"the run did not end within {timeout_s:g} s"
+        assert self.error is None and self.run_id, f"the run did not finish: {self.outcome()}"
+        return self.run_id
+
+
+def wait_for(what: str, condition, trainer: BackgroundRun):
     """Poll `condition()` every 50 ms until it returns a truthy value (returned); fail if the run's
-    `trainer` thread ended first or after `WAIT_S` seconds."""
+    `trainer` ended first (saying how) or after `WAIT_S` seconds."""
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
         value = condition()
         if value:
             return value
-        assert trainer.is_alive(), f"the run ended while the test waited for {what}"
+        assert trainer.is_alive(), f"the run ended while the test waited for {what}: {trainer.outcome()}"
         time.sleep(0.05)
     raise AssertionError(f"waited {WAIT_S} s for {what}")
+
+
+def copy_steps(memory_dir) -> list[int]:
+    """Steps of the memory tier's committed copies under `memory_dir` (`checkpoint.memory.dir`), any
+    node's, any rank's (read by the test, which sees the machine's files; a run reads another node's
+    only through its keeper)."""
+    return [
+        int(os.path.basename(os.path.dirname(p)).split("-")[1])
+        for p in glob.glob(f"{memory_dir}/*/*/rank-*/step-*/COMMITTED")
+    ]
 
 
 def sqlite_store(folder) -> str:

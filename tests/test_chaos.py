@@ -29,7 +29,6 @@ import os
 import random
 import re
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -38,7 +37,7 @@ import ray
 from mlflow.tracking import MlflowClient
 
 from conftest import (
-    WAIT_S,
+    BackgroundRun,
     assert_resumed,
     assert_same_state,
     events,
@@ -132,9 +131,7 @@ def test_kills_while_saving_starting_and_restoring_resume_bitwise(tmp_path, data
     )
     root = run_root(cfg)
     rng = random.Random(SEED)
-    result: dict = {}
-    trainer = threading.Thread(target=lambda: result.update(run_id=run(cfg)), daemon=True)
-    trainer.start()
+    trainer = BackgroundRun(run, cfg)
     run_id_file = Path(root, "mlflow_run_id")
     run_id = wait_for("the MLflow run", lambda: run_id_file.exists() and run_id_file.read_text().strip(), trainer)
     client = MlflowClient(cfg.tracking.uri)
@@ -170,8 +167,7 @@ def test_kills_while_saving_starting_and_restoring_resume_bitwise(tmp_path, data
     os.kill(victim, signal.SIGKILL)
     assert steps_done_since(client, run_id, killed_at) == []
 
-    trainer.join(timeout=WAIT_S)
-    assert not trainer.is_alive() and result.get("run_id") == run_id, "the run did not finish"
+    assert trainer.finished() == run_id
     # the attempts killed while starting and restoring never restored: two attempts logged their start,
     # the last from the checkpoint the killed restore was reading: the last commit before the first kill
     # (none came after it), older than the save it cut, which was deleted on restart and never loaded

@@ -27,7 +27,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from ray.job_submission import JobStatus, JobSubmissionClient
 
-from conftest import REPO, events, free_port, make_config, sqlite_store
+from conftest import REPO, copy_steps, events, free_port, make_config, sqlite_store
 from raytrain_ft.core.errors import ConfigError
 from raytrain_ft.launch.driver import preflight
 
@@ -212,12 +212,6 @@ def wait_for_end(address: str, submission_id: str, timeout: float = 120) -> JobS
 def committed_steps(snapshot) -> list[int]:
     """Steps of the checkpoints Ray Train registered (its `checkpoint_manager_snapshot.json`)."""
     return sorted({int(s) for s in re.findall(r'"step-(\d+)"', snapshot.read_text())})
-
-
-def copy_steps(memory_dir: Path) -> list[int]:
-    """Steps of the memory tier's committed copies under `memory_dir`, any node's, any rank's (read by
-    the test, which sees the machine's files; a run reads another node's only through its keeper)."""
-    return [int(Path(p).parent.name.split("-")[1]) for p in glob.glob(f"{memory_dir}/*/*/rank-*/step-*/COMMITTED")]
 
 
 def assert_resubmission_succeeded(r: subprocess.CompletedProcess, tmp_path, name: str, last_step: int) -> None:

@@ -14,8 +14,11 @@ both replicas. In order (the seed, `REPLICA_SEED`, picks the moments):
 3. step `SAVE_KILL_STEP`: replica 0, the saver, is SIGKILLed 0.5 s into its checkpoint write (a
    `kill` fault at `save`): no deadlock, the partial checkpoint is never committed nor loaded;
 4. once the checkpoint of `resume_step` is committed (and its goodput recorded, which `assert_resumed`
-   reads as the proof of the commit) the test SIGKILLs both replicas: Ray Train restarts the whole
-   group, which resumes from `resume_step`.
+   reads as the proof of the commit) and a memory-tier copy of a later step (`checkpoint.memory`,
+   every 2 steps, written by the step's saver) is committed, the test SIGKILLs both replicas: no live
+   peer is left to heal from, Ray Train restarts the whole group, and every replica restores the
+   newest memory copy (`restored_from: memory`), not `resume_step`. The replacements of 2. and 3.
+   heal from the live replica and never read the tier.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import json
 import os
 import random
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -33,8 +35,9 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from conftest import (
-    WAIT_S,
-    assert_resumed,
+    BackgroundRun,
+    copy_steps,
+    events,
     final_state,
     make_config,
     metric_by_step,
@@ -106,6 +109,7 @@ def test_replicas_killed_in_the_all_reduce_in_a_save_and_all_at_once_keep_every_
         # takes a minute under load (replica 1's once joined at step 24 at 1 s a step)
         f"{{kind: slow, step: {hold_step}, steps: {STEPS - hold_step + 1}, rank: -1, seconds: 4.0, until_members: 2}}",
     ]
+    memory_dir = tmp_path / "shm"
     cfg = make_config(
         tmp_path,
         dataset,
@@ -114,11 +118,11 @@ def test_replicas_killed_in_the_all_reduce_in_a_save_and_all_at_once_keep_every_
         "data.audit=true",
         "failure.max_failures=4",
         f"faults=[{', '.join(faults)}]",
+        "checkpoint.memory.interval_steps=2",
+        f"checkpoint.memory.dir={memory_dir}",
     )
     root = run_root(cfg)
-    result: dict = {}
-    trainer = threading.Thread(target=lambda: result.update(run_id=run(cfg)), daemon=True)
-    trainer.start()
+    trainer = BackgroundRun(run, cfg)
     run_id_file = Path(root, "mlflow_run_id")
     run_id = wait_for("the MLflow run", lambda: run_id_file.exists() and run_id_file.read_text().strip(), trainer)
     first = wait_for("both replicas", lambda: worker_records(root, 2, 0.0), trainer)
@@ -141,13 +145,18 @@ def test_replicas_killed_in_the_all_reduce_in_a_save_and_all_at_once_keep_every_
         return committed and resume_step in {m.step for m in client.get_metric_history(run_id, "wall_s")}
 
     wait_for(f"the commit of step {resume_step}", recorded_commit, trainer)
+    wait_for(
+        f"a memory copy newer than step {resume_step}",
+        lambda: max(copy_steps(memory_dir), default=0) > resume_step,
+        trainer,
+    )
     before_all = current_workers(root)
     for replica in (0, 1):
         os.kill(before_all[replica]["pid"], signal.SIGKILL)
     killed_all = time.time()
+    in_memory = max(copy_steps(memory_dir))  # the newest copy committed at the kill
 
-    trainer.join(timeout=WAIT_S)
-    assert not trainer.is_alive() and result.get("run_id") == run_id, "the run did not finish"
+    assert trainer.finished() == run_id
     last = current_workers(root)
     # Ray Train replaced only the killed replica each time; the survivor kept its process
     assert second[0]["pid"] == first[0]["pid"] and second[1]["started_at"] > killed_in_reduce
@@ -180,14 +189,16 @@ def test_replicas_killed_in_the_all_reduce_in_a_save_and_all_at_once_keep_every_
     # the first step of an attempt, while the other replica's first quorum request was on its way)
     alone = {s for s, ranks in participants.items() if len(ranks) == 1}
     degraded = set(range(hold_step, joined[1])) | set(range(SAVE_KILL_STEP + 1, joined[0]))
-    assert degraded <= alone and alone - degraded <= {1, resume_step + 1}, sorted(alone)
+    assert degraded <= alone and alone - degraded <= {1, in_memory + 1}, sorted(alone)
     # the replacements restored a committed checkpoint (never the partial one of SAVE_KILL_STEP), then healed
     restored = {e["replica"]: e["resumed_from"] for e in by_kind["replica_start"]}
     assert restored.keys() == {0, 1} and restored[1] < joined[1] and SAVE_KILL_STEP - 4 <= restored[0] < joined[0]
     assert all(s % 4 == 0 and s != SAVE_KILL_STEP for s in restored.values())
     assert SAVE_KILL_STEP not in complete_steps(root)  # the killed write never completed (pruned since)
-    # the restart of every replica resumed from the checkpoint committed before the kill
-    assert_resumed(cfg.tracking.uri, run_id, [0, resume_step])
+    # the restart of every replica resumed from the newest memory copy committed (its `COMMITTED` marker
+    # written) at the kill, newer than the durable checkpoint; its goodput record may have died with it
+    attempts = [(a["resumed_from"], a["restored_from"]) for a in events(cfg.tracking.uri, run_id, "attempt_start")]
+    assert attempts == [(0, ""), (in_memory, "memory")]
 
     # the NaN on replica 1 alone: every replica skipped that step, and only that one
     assert participants[NAN_STEP] == {0, 1}
@@ -219,7 +230,7 @@ def test_replicas_killed_in_the_all_reduce_in_a_save_and_all_at_once_keep_every_
         assert 0 < r["survivors_committed_s"] < r["replacement_restored_s"] < r["replacement_joined_s"], r
         assert (r["restored_from"], r["joined_step"], r["participants"]) == (restored[replica], joined[replica], 2)
     [restart] = recovery_rows(evs)
-    assert (restart["resumed_from"], restart["world_size_after"]) == (resume_step, 1)
+    assert (restart["resumed_from"], restart["restored_from"], restart["world_size_after"]) == (in_memory, "memory", 1)
     assert cli(["history", run_id, "--tracking-uri", cfg.tracking.uri]) == 0
     assert "Replica replacements" in capsys.readouterr().out
     with open(client.download_artifacts(run_id, "goodput_summary.json")) as f:

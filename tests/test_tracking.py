@@ -7,7 +7,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 
 import pytest
 import ray
@@ -15,7 +14,7 @@ from mlflow.tracking import MlflowClient
 from ray.train import WorkerGroupError
 from ray.train.v2._internal.execution.controller.state import RestartingState, RunningState
 
-from conftest import REPO, events, make_config, run_root, run_scenario, sqlite_store, wait_for
+from conftest import REPO, BackgroundRun, events, make_config, run_root, run_scenario, sqlite_store, wait_for
 from local_run import local_run
 from raytrain_ft.cli import main
 from raytrain_ft.core.errors import ConfigError
@@ -135,19 +134,15 @@ def test_a_tracking_server_stopped_mid_run_stalls_no_step_and_loses_no_record(tm
         "waits.tracking_timeout_s=2",
         "faults=[{kind: nan, step: 15, rank: 1}, {kind: slow, step: 4, steps: 6, seconds: 0.5}]",
     )
-    result: dict = {}
     with mlflow_server(backend, artifacts, "127.0.0.1", port) as url:
         cfg.tracking.uri = url
-        trainer = threading.Thread(target=lambda: result.update(run_id=local_run(cfg)), daemon=True)
-        trainer.start()
+        trainer = BackgroundRun(local_run, cfg)
         client = MlflowClient(url)
         wait_for("step 3 in the store", lambda: _last_step(client, cfg) >= 3, trainer)
     root = run_root(cfg)
     wait_for("step 30 committed without the server", lambda: read_latest(root) == step_path(root, 30), trainer)
     with mlflow_server(backend, artifacts, "127.0.0.1", port) as url:
-        trainer.join(timeout=300)
-        assert not trainer.is_alive()
-        client, run_id = MlflowClient(url), result["run_id"]
+        client, run_id = MlflowClient(url), trainer.finished(timeout_s=300)
         steps = list(range(1, 31))
         for key in ("train/loss", "train/lr", "train_live/loss"):
             assert sorted(m.step for m in client.get_metric_history(run_id, key)) == steps, key

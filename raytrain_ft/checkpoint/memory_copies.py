@@ -165,6 +165,9 @@ class Keepers(Protocol):
     def inventory(self) -> dict[str, dict[int, dict[int, dict]]]:
         """node -> `inventory` of the run's folder of every live node's keeper."""
 
+    def nodes(self) -> list[str]:
+        """Every live node that has a keeper (a rank of a memory-tier run ran there), this one included."""
+
     def fetch(self, node: str, rank: int, step: int) -> str:
         """Bring the copy of (`rank`, `step`) that `node`'s keeper holds into a local folder and return
         its path (under `node_dir`).
@@ -221,9 +224,12 @@ def plan_restore(
     return RestorePlan(None, [[] for _ in nodes], skipped)
 
 
-def peers(nodes: list[str], node: str, copies: int) -> list[str]:
+def peers(nodes: list[str], node: str, copies: int, others: list[str]) -> list[str]:
     """The nodes that keep `node`'s peer copies: the next `copies` distinct nodes after it in the ring of
-    `nodes` (each rank's node, by rank; fewer when the group spans fewer other nodes)."""
+    `nodes` (each rank's node, by rank); when the group spans fewer other nodes than `copies`, then the
+    first of `others` (nodes with a live keeper, sorted) outside the group, fewer when there are none.
+    Under replica recovery every replica is a group of one: its peers are other replicas' nodes."""
     ring = list(dict.fromkeys(nodes))
     i = ring.index(node)
-    return [ring[(i + k) % len(ring)] for k in range(1, min(copies, len(ring) - 1) + 1)]
+    in_group = [ring[(i + k) % len(ring)] for k in range(1, min(copies, len(ring) - 1) + 1)]
+    return in_group + [n for n in sorted(others) if n not in ring][: copies - len(in_group)]

@@ -12,7 +12,7 @@ checkpoints; docs/memory-tier.md):
    (`raytrain_ft.checkpoint.memory_copies`). The snapshot is the durable save's staging (the same stager,
    `wait_staged` before the optimizer step): training stalls no longer than that. On the write
    thread, after the local copy's checksums are written, the copy goes to the keepers of
-   `peer_copies` other nodes (`memory_copies.peers`), each writing and verifying it.
+   `peer_copies` other nodes (`memory_copies.peers`, chosen at each save), each writing and verifying it.
 2. Commit (`poll`, every step, one small all-reduce): once every rank's write and peer copies are done,
    the ranks agree (all-reduce MIN) that every copy is in place and verified; only then each rank marks
    its copies `COMMITTED`. A copy not verified everywhere (a peer lost meanwhile, a failed write) makes
@@ -25,6 +25,13 @@ checkpoints; docs/memory-tier.md):
    (`corrupt_checkpoint`) and the next source tried; when any rank has none left, every rank falls
    back to the durable checkpoint. Copies newer than the step restored are discarded (`discard_after`:
    they belong to a trajectory the run no longer follows), as after a rollback.
+
+Under replica recovery (`raytrain_ft.resilience.replicas`) every replica is a process group of one
+holding the whole state, so the same code keeps one run-wide copy: the step's saver (the participant of
+rank 0, as for durable saves) writes it as rank 0, its peers are other replicas' nodes (nodes with a
+live keeper), and on a restart of every replica each one plans and loads alone, from the same
+inventory. A replacement that Ray Train starts beside live replicas does not read the tier: it heals
+from a live peer in the quorum (`Trainer.begin`).
 
 Off (`interval_steps: 0` and `interval: fixed`, or no keepers: a run without Ray) every method is a no-op.
 """
@@ -132,7 +139,8 @@ class MemoryTier:
     ):
         self.keepers, self.peer_copies, self.group, self.topology = keepers, peer_copies, control_group, topology
         self.rank = dist.get_rank()
-        self.peer_nodes: list[str] = []
+        self.group_nodes: list[str] = [keepers.node] if keepers is not None else []  # each rank's (`plan`)
+        self.peer_nodes: list[str] = []  # the nodes of the copy in flight's peer copies
         self.writer: _CopyWriter | None = None
         if keepers is not None:
             # a group of this rank alone per rank (every rank creates every one, in the same order)
@@ -152,9 +160,14 @@ class MemoryTier:
     # -- save and commit -------------------------------------------------------------------------
 
     def save(self, step: int, state: TrainState) -> None:
-        """Start this rank's copy of `step` (every rank); at most one in flight: while one is, no new one starts."""
-        if self.writer is None or self.writer.pending is not None:
+        """Start this rank's copy of `step` (every saving rank) and choose its peers (`memory_copies.peers`:
+        the group's nodes, else other nodes with a live keeper); at most one in flight: while one is, no
+        new one starts."""
+        if self.writer is None or self.keepers is None or self.writer.pending is not None:
             return
+        short = len(set(self.group_nodes)) <= self.peer_copies  # the group alone spans too few other nodes
+        others = self.keepers.nodes() if short else []
+        self.peer_nodes = peers(self.group_nodes, self.keepers.node, self.peer_copies, others)
         self.writer.save(step, state)
 
     def wait_staged(self) -> None:
@@ -205,12 +218,12 @@ class MemoryTier:
     # -- restore ---------------------------------------------------------------------------------
 
     def plan(self, durable_step: int) -> RestorePlan:
-        """Learn where the group's ranks run (their peers for this attempt's saves) and the restore plan
+        """Learn where the group's ranks run (the ring of this attempt's peer copies) and the restore plan
         rank 0 chose (`memory_copies.plan_restore`); collectives on every rank."""
         assert self.keepers is not None
         nodes: list[str] = [""] * dist.get_world_size()
         dist.all_gather_object(nodes, self.keepers.node, group=self.group)
-        self.peer_nodes = peers(nodes, self.keepers.node, self.peer_copies)
+        self.group_nodes = nodes
         chosen: list[RestorePlan | None] = [None]
         if self.rank == 0:
             chosen[0] = plan_restore(self.keepers.inventory(), nodes, durable_step, self.topology)
@@ -273,10 +286,11 @@ class MemoryTier:
             return keys, MEMORY if own else PEER
         return None
 
-    def abandon_after(self, step: int) -> None:
+    def abandon_after(self, step: int, discard: bool) -> None:
         """After a restore or a rollback to `step` (every rank): the copy in flight, if any, is finished
-        and never counts, and rank 0 deletes every node's copies newer than `step` (a trajectory the run
-        no longer follows: a later restart must not return to it)."""
+        and never counts, and where `discard` (one member: the loop picks it) every node's copies newer
+        than `step` are deleted (a trajectory the run no longer follows: a later restart must not return
+        to it)."""
         if self.writer is None or self.keepers is None:
             return
         if self.writer.pending is not None:
@@ -284,5 +298,5 @@ class MemoryTier:
                 self.writer.wait()
             except (Exception, CheckpointException):  # CheckpointException is a BaseException
                 self.writer.pending = None
-        if self.rank == 0:
+        if discard:
             self.keepers.discard_after(step)

@@ -85,8 +85,8 @@ class MemoryTierSection:
     """`checkpoint.memory`: the memory tier (`raytrain_ft.checkpoint.memory_tier`, docs/memory-tier.md).
 
     On when `interval_steps` > 0 or `interval: auto` (then `interval_steps` is only the first
-    save's bound, as for durable checkpoints); restart recovery only.
-    """
+    save's bound, as for durable checkpoints). Under replica recovery the step's saver writes the run's
+    one copy, read when every replica restarts (docs/memory-tier.md#replica-recovery)."""
 
     interval_steps: int = 0  # memory checkpoint every N steps (each rank's state in its node's RAM); 0 = off
     interval: str = "fixed"  # fixed = every interval_steps; auto = Young/Daly from the memory tier's measured cost

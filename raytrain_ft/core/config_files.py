@@ -178,11 +178,6 @@ def _validate_memory_tier(cfg: Config) -> None:
         raise ConfigError(
             "config key 'checkpoint.memory.interval_steps' must be >= 1 with interval: auto (the first save)"
         )
-    if m.enabled and cfg.failure.recovery != "restart":
-        raise ConfigError(
-            "config key 'checkpoint.memory' is on but failure.recovery is 'replica': the memory tier serves restart "
-            "recovery only (replicas heal from a live peer); set checkpoint.memory.interval_steps=0"
-        )
 
 
 def _validate_schedule(t: TrainSection) -> None:

@@ -109,13 +109,19 @@ def committed_steps(root: str) -> list[int]:
     return [s for s in complete if f"{STEP_PREFIX}{s}" in names]
 
 
-def write_latest(root: str, checkpoint: str) -> None:
-    """Record `checkpoint` as committed (`LATEST_FILE`; a temporary file renamed: always complete)."""
-    fs, base = fsspec.core.url_to_fs(run_file(root, LATEST_FILE))
+def _replace(root: str, name: str, text: str) -> None:
+    """Write `text` into the run file `name` through a temporary file renamed over it: a reader sees
+    the old text or the new one, never a truncated file."""
+    fs, base = fsspec.core.url_to_fs(run_file(root, name))
     fs.makedirs(base.rsplit("/", 1)[0], exist_ok=True)
     with fs.open(f"{base}.tmp", "w") as f:
-        f.write(checkpoint)
+        f.write(text)
     fs.mv(f"{base}.tmp", base)
+
+
+def write_latest(root: str, checkpoint: str) -> None:
+    """Record `checkpoint` as committed (`LATEST_FILE`, replaced whole)."""
+    _replace(root, LATEST_FILE, checkpoint)
 
 
 def read_latest(root: str) -> str | None:
@@ -125,13 +131,12 @@ def read_latest(root: str) -> str | None:
 
 
 def write_commit_ack(root: str, checkpoint: str) -> None:
-    """Record `checkpoint` as the commit Ray last registered (`COMMIT_ACK_FILE`)."""
-    with fsspec.open(run_file(root, COMMIT_ACK_FILE), "w") as f:
-        f.write(checkpoint)
+    """Record `checkpoint` as the commit Ray last registered (`COMMIT_ACK_FILE`, replaced whole)."""
+    _replace(root, COMMIT_ACK_FILE, checkpoint)
 
 
 def read_commit_ack(root: str) -> str | None:
-    """The path `write_commit_ack` last wrote; None before the first, or while it is being replaced."""
+    """The path `write_commit_ack` last wrote; None before the first, or (object stores) while it is replaced."""
     try:
         with fsspec.open(run_file(root, COMMIT_ACK_FILE), "r") as f:
             return f.read()

@@ -131,6 +131,9 @@ class RayKeepers:
         calls = {n: k.inventory.remote(self.dir_on(n)) for n, k in _live_keepers().items()}
         return _gather(calls, self.timeout_s) if calls else {}  # type: ignore[return-value]
 
+    def nodes(self) -> list[str]:
+        return sorted(_live_keepers())
+
     def fetch(self, node: str, rank: int, step: int) -> str:
         keeper = _live_keepers().get(node)
         if keeper is None:

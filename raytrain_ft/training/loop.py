@@ -130,9 +130,11 @@ class Trainer:
             c.recorder,
             c.faults.reader_for,
             c.role.cleans,
-            self.restore_memory,
+            # a replacement beside live replicas heals from them in its first quorum, never from the tier
+            (lambda durable_step: None) if c.role.replacement else self.restore_memory,
         )
-        c.memory.abandon_after(c.progress.step)  # copies of later steps are of a trajectory left behind
+        # copies of later steps are of a trajectory left behind: deleted by the rank that starts the attempt
+        c.memory.abandon_after(c.progress.step, c.role.attempt)
         if rng_key(c.rank) not in loaded:  # fresh start, or a rank added by an elastic resize
             seed_rngs(cfg.train.seed + c.progress.step, c.rank)
         c.beat.restored()  # restoring a large checkpoint is not a step
@@ -189,7 +191,8 @@ class Trainer:
         grad_norm = c.par.clip_grad_norm_(c.cfg.train.grad_clip)
         skip, median = c.guard.judge(grad_norm)
         # the members' loss SUM, one skip decision, the fingerprint before a save, drained members (`Agreement`)
-        may_save = c.members.saves and (self.save_due or commits.schedule.due(step) or step == c.cfg.train.max_steps)
+        due = self.save_due or commits.schedule.due(step) or step == c.cfg.train.max_steps
+        may_save = c.members.saves and (due or (c.memory.enabled and commits.memory_schedule.due(step)))
         loss_sum, skip, before_save, leaving, figures = c.members.agree(
             step, weighted, skip, may_save, c.preemption.take(), c.compute.seconds
         )
@@ -216,7 +219,7 @@ class Trainer:
         if c.guard.consecutive >= c.cfg.guards.spike.max_consecutive_skips:
             commits.after_commit(c.checkpointer.wait())  # a rollback reloads with no save in flight
             c.roll_back(step, c.guard.consecutive)
-            c.memory.abandon_after(c.progress.step)
+            c.memory.abandon_after(c.progress.step, c.members.saves and c.rank == 0)  # one member: the saver
             commits.schedule.saved(c.progress.step)
         else:
             commits.after_commit(c.checkpointer.poll())
@@ -239,7 +242,8 @@ class Trainer:
             schedule.saved(step)  # after a failed replica check too: the next try is an interval later
             self.save_due = False
         elif c.memory.enabled and c.commits.memory_schedule.due(step) and c.guard.consecutive == 0:
-            if not c.memory.pending and c.checks.fit_to_save(step):  # a copy never holds diverged replicas
+            # the members that save (one replica, or every rank), never a copy of diverged replicas
+            if c.members.saves and not c.memory.pending and c.checks.fit_to_save(step):
                 c.memory.save(step, c.state)
             c.commits.memory_schedule.saved(step)
         excluded = c.stragglers.excluded()

@@ -53,10 +53,14 @@ def test_never_older_than_the_durable_checkpoint_and_another_topology_is_skipped
     assert resized.step is None and len(resized.skipped) == 2 and "world_size" in resized.skipped[0]
 
 
-def test_peers_are_the_next_distinct_nodes_of_the_ring():
+def test_peers_are_the_next_distinct_nodes_of_the_ring_then_other_keepers_nodes():
     nodes = ["a", "a", "b", "c"]
-    assert copies.peers(nodes, "a", 1) == ["b"] and copies.peers(nodes, "c", 2) == ["a", "b"]
-    assert copies.peers(["a", "a"], "a", 1) == []  # one node: no peer to copy to
+    others = ["a", "b", "c", "d", "e"]  # nodes with a live keeper
+    assert copies.peers(nodes, "a", 1, others) == ["b"] and copies.peers(nodes, "c", 2, others) == ["a", "b"]
+    assert copies.peers(nodes, "b", 3, others) == ["c", "a", "d"]  # the group spans two other nodes
+    assert copies.peers(["a", "a"], "a", 1, ["a"]) == []  # one node in the cluster: no peer to copy to
+    # replica recovery: each replica a group of one; its peer is another replica's node
+    assert copies.peers(["c"], "c", 1, ["e", "c", "a"]) == ["a"]
 
 
 def test_a_copy_counts_once_committed_and_a_node_keeps_two(tmp_path):

@@ -31,6 +31,9 @@ class OneNode:
     def inventory(self) -> dict:
         return {self.node: copies.inventory(self.node_dir)}
 
+    def nodes(self) -> list[str]:
+        return [self.node, "b"]  # one other node: the peer of this rank's copies
+
     def fetch(self, node: str, rank: int, step: int) -> str:
         raise TimeoutError(f"node {node} is gone")
 
@@ -51,7 +54,6 @@ def test_a_step_whose_peer_copy_was_lost_never_counts_and_the_restore_takes_the_
     keepers = OneNode(str(tmp_path), peer_ok=True)
     model = torch.nn.Linear(4, 4)
     tier = MemoryTier(keepers, 1, dist.new_group(backend="gloo"), 60.0, TOPOLOGY)
-    tier.peer_nodes = ["b"]  # what `plan` learns from the group's nodes: one peer node
     state = state_of(model)
     tier.save(2, state)
     assert tier.wait() == (2, True)
