@@ -18,11 +18,12 @@ both replicas. In order (the seed, `REPLICA_SEED`, picks the moments):
    every 2 steps, written by the step's saver) is committed, the test SIGKILLs both replicas: no live
    peer is left to heal from, Ray Train restarts the whole group, and every replica restores the
    newest memory copy (`restored_from: memory`), not `resume_step`. The replacements of 2. and 3.
-   heal from the live replica and never read the tier.
+   restore the newest checkpoint of either tier, then heal from the live replica.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -162,6 +163,10 @@ def test_replicas_killed_in_the_all_reduce_in_a_save_and_all_at_once_keep_every_
     assert second[0]["pid"] == first[0]["pid"] and second[1]["started_at"] > killed_in_reduce
     assert third[1] == second[1] and third[0]["pid"] != first[0]["pid"]
     assert before_all == third and all(last[r]["started_at"] > killed_all for r in (0, 1))
+    # the restart of every replica resumed from the newest memory copy committed (its `COMMITTED` marker
+    # written) at the kill, newer than the durable checkpoint; its goodput record may have died with it
+    attempts = [(a["resumed_from"], a["restored_from"]) for a in events(cfg.tracking.uri, run_id, "attempt_start")]
+    assert attempts == [(0, ""), (in_memory, "memory")]
 
     # every committed step trained the uninterrupted run's global batch, whoever took part
     manifest, g = load_manifest(cfg.data.path), cfg.train.global_batch_size
@@ -185,20 +190,21 @@ def test_replicas_killed_in_the_all_reduce_in_a_save_and_all_at_once_keep_every_
     assert [(e["replica"], e["step"], e["participants"]) for e in by_kind["step_not_committed"]] == [(0, hold_step, 2)]
     joined = {e["replica"]: e["step"] for e in by_kind["replica_joined"]}
     assert sorted(joined) == [0, 1] and hold_step < joined[1] < SAVE_KILL_STEP < joined[0] <= resume_step
-    # the steps trained with one replica: the survivor's until each replacement joined (and maybe
-    # the first step of an attempt, while the other replica's first quorum request was on its way)
+    # the steps trained with one replica: the survivor's until each replacement joined, and the first
+    # steps of an attempt if one replica formed its first quorum alone (the other started later than
+    # the lighthouse's join window, under load)
     alone = {s for s, ranks in participants.items() if len(ranks) == 1}
     degraded = set(range(hold_step, joined[1])) | set(range(SAVE_KILL_STEP + 1, joined[0]))
-    assert degraded <= alone and alone - degraded <= {1, in_memory + 1}, sorted(alone)
+
+    def first_alone(start: int) -> set[int]:
+        return set(itertools.takewhile(lambda s: s in alone, itertools.count(start + 1)))
+
+    assert degraded <= alone and alone - degraded <= first_alone(0) | first_alone(in_memory), sorted(alone)
     # the replacements restored a committed checkpoint (never the partial one of SAVE_KILL_STEP), then healed
     restored = {e["replica"]: e["resumed_from"] for e in by_kind["replica_start"]}
     assert restored.keys() == {0, 1} and restored[1] < joined[1] and SAVE_KILL_STEP - 4 <= restored[0] < joined[0]
-    assert all(s % 4 == 0 and s != SAVE_KILL_STEP for s in restored.values())
+    assert SAVE_KILL_STEP not in restored.values()  # a durable checkpoint or a memory copy, never the cut save
     assert SAVE_KILL_STEP not in complete_steps(root)  # the killed write never completed (pruned since)
-    # the restart of every replica resumed from the newest memory copy committed (its `COMMITTED` marker
-    # written) at the kill, newer than the durable checkpoint; its goodput record may have died with it
-    attempts = [(a["resumed_from"], a["restored_from"]) for a in events(cfg.tracking.uri, run_id, "attempt_start")]
-    assert attempts == [(0, ""), (in_memory, "memory")]
 
     # the NaN on replica 1 alone: every replica skipped that step, and only that one
     assert participants[NAN_STEP] == {0, 1}

@@ -29,9 +29,12 @@ checkpoints; docs/memory-tier.md):
 Under replica recovery (`raytrain_ft.resilience.replicas`) every replica is a process group of one
 holding the whole state, so the same code keeps one run-wide copy: the step's saver (the participant of
 rank 0, as for durable saves) writes it as rank 0, its peers are other replicas' nodes (nodes with a
-live keeper), and on a restart of every replica each one plans and loads alone, from the same
-inventory. A replacement that Ray Train starts beside live replicas does not read the tier: it heals
-from a live peer in the quorum (`Trainer.begin`).
+live keeper), and every replica Ray Train starts, on a restart of all of them or as a replacement,
+plans and loads alone from what the keepers hold. A replacement beside live replicas then heals from
+them in its first quorum (their step is newer); one that finds no live peer (every replica lost, seen
+by Ray Train as several replacements) trains on from the copy instead of the durable checkpoint. Only
+the replica that starts the attempt deletes newer copies (`abandon_after`'s `discard`), never a
+replacement: a live saver may be writing one.
 
 Off (`interval_steps: 0` and `interval: fixed`, or no keepers: a run without Ray) every method is a no-op.
 """

@@ -226,7 +226,8 @@ class Month:
         """
         if not interval_s > 0:
             raise ValueError(f"the checkpoint interval must be positive, got {interval_s}")
-        memory_s = memory_steps_s(costs, self.cluster.mtbf_s) if mode == "restart" else None  # replica: no tier
+        # replica: the model draws single replicas lost, healed from a live peer (no tier)
+        memory_s = memory_steps_s(costs, self.cluster.mtbf_s) if mode == "restart" else None
         schedule = Schedule.of(costs, interval_s, memory_s)
         if mode == "restart":
             parts = self._restart(costs, schedule)

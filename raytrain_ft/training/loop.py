@@ -130,8 +130,7 @@ class Trainer:
             c.recorder,
             c.faults.reader_for,
             c.role.cleans,
-            # a replacement beside live replicas heals from them in its first quorum, never from the tier
-            (lambda durable_step: None) if c.role.replacement else self.restore_memory,
+            self.restore_memory,
         )
         # copies of later steps are of a trajectory left behind: deleted by the rank that starts the attempt
         c.memory.abandon_after(c.progress.step, c.role.attempt)

@@ -177,7 +177,7 @@ def test_plan_goodput_memory_flags_json_table_and_refusals(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["memory_daly_s"] == pytest.approx(596.7, abs=0.1)
     assert out["modes"]["restart"]["memory_interval_s"] == 600.0
-    assert "memory_interval_s" not in out["modes"]["replica"]  # replica mode ignores the tier
+    assert "memory_interval_s" not in out["modes"]["replica"]  # the model draws single replica failures: no tier
     assert main([*argv, "--mode", "restart"]) == 0  # the save defaults to the stall
     text = capsys.readouterr().out
     assert "memory_checkpoint_s 5 (flag), memory_save_s 5 (default)" in text
