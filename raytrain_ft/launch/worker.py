@@ -21,9 +21,9 @@ from raytrain_ft.launch.datasource import rank_micro_batches
 from raytrain_ft.launch.memory_keeper import RayKeepers
 from raytrain_ft.launch.preemption import DrainWatcher
 from raytrain_ft.launch.recorder_actor import WAIT_TIMEOUT_S, RemoteRecorder
+from raytrain_ft.launch.replica_backend import REPLACEMENT_ENV
 from raytrain_ft.resilience.preemption import Notice
 from raytrain_ft.resilience.recovery import RunHistory
-from raytrain_ft.resilience.replicas import REPLACEMENT_ENV
 from raytrain_ft.training import loop
 
 log = logging.getLogger(__name__)

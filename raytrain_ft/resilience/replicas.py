@@ -82,8 +82,6 @@ log = logging.getLogger(__name__)
 
 # Not sent to a healing replica: the run metadata is the replica's own config's.
 NOT_HEALED = (KEY_META,)
-# Set in a replacement replica's environment by the Ray backend (`launch.driver.ReplicaBackend`).
-REPLACEMENT_ENV = "RAYTRAIN_FT_REPLACEMENT"
 # Lighthouse (one per run, started by Ray Train's `TorchftConfig`): a quorum needs one replica; the
 # first waits this long for the others to join (start-up skew); a replica silent this long is dead.
 # The heartbeat timeout is what the survivors wait after a kill before they train on without the dead
