@@ -50,10 +50,17 @@ def test_preemption_then_shrink_on_node_loss_then_grow_back(tmp_path, dataset):
     attempts = assert_resumed(cfg.tracking.uri, run_id, [0, preempted_at, COMMITTED])
     assert [a["world_size"] for a in attempts] == [3, 2, 3]  # start, node loss, node back
     assert attempts[-1]["resumed_from"] >= preempted_at
-    # with the memory tier on, each resized group restored the durable checkpoint: the shrunk one
-    # passed over the copies of a step newer than it that the group of 3 had committed before the
-    # node went (the scenario waits for one), and every copy passed over was of another world size
-    assert [a["restored_from"] for a in attempts] == ["", "storage", "storage"]
+    # with the memory tier on, the shrunk group restored the durable checkpoint: it passed over the
+    # copies of a step newer than it that the group of 3 had committed before the node went (the
+    # scenario waits for one; it then deleted them, a trajectory left), and every copy passed over was
+    # of another world size. The grown-back group restored the durable checkpoint too, or, when the
+    # shrunk group had committed nothing newer, the group of 3's own copy of that same step (its world
+    # size again, the same state: an equal step is read from memory)
+    restored = [a["restored_from"] for a in attempts]
+    assert restored[:2] == ["", "storage"]
+    assert restored[2] == "storage" or (
+        restored[2] in ("memory", "peer") and attempts[2]["resumed_from"] == preempted_at
+    )
     skipped = [e["reason"] for e in events(cfg.tracking.uri, run_id, "memory_copy_skipped")]
     assert any("saved at {'world_size': 3" in r and "now {'world_size': 2" in r for r in skipped), skipped
     assert all("'world_size': 3" in r and "'world_size': 2" in r for r in skipped), skipped
