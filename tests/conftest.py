@@ -24,6 +24,7 @@ with open(os.open(_RAY_TOKEN, os.O_WRONLY | os.O_CREAT, 0o600), "w") as _f:
 os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=_RAY_TOKEN)
 
 import glob
+import itertools
 import json
 import pickle
 import shutil
@@ -228,6 +229,13 @@ def wait_for(what: str, condition, trainer: BackgroundRun):
         assert trainer.is_alive(), f"the run ended while the test waited for {what}: {trainer.outcome()}"
         time.sleep(0.05)
     raise AssertionError(f"waited {WAIT_S} s for {what}")
+
+
+def first_steps_alone(alone: set[int], start: int) -> set[int]:
+    """The steps `start + 1`, `start + 2`, ... that are all in `alone` (steps one replica trained
+    alone): under replica recovery an attempt's first steps, when one replica formed its first quorum
+    before the other joined (it started later than the lighthouse's join window, as under load)."""
+    return set(itertools.takewhile(alone.__contains__, itertools.count(start + 1)))
 
 
 def copy_steps(memory_dir) -> list[int]:

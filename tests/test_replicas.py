@@ -23,7 +23,6 @@ both replicas. In order (the seed, `REPLICA_SEED`, picks the moments):
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import random
@@ -40,6 +39,7 @@ from conftest import (
     copy_steps,
     events,
     final_state,
+    first_steps_alone,
     make_config,
     metric_by_step,
     run_root,
@@ -195,11 +195,8 @@ def test_replicas_killed_in_the_all_reduce_in_a_save_and_all_at_once_keep_every_
     # the lighthouse's join window, under load)
     alone = {s for s, ranks in participants.items() if len(ranks) == 1}
     degraded = set(range(hold_step, joined[1])) | set(range(SAVE_KILL_STEP + 1, joined[0]))
-
-    def first_alone(start: int) -> set[int]:
-        return set(itertools.takewhile(lambda s: s in alone, itertools.count(start + 1)))
-
-    assert degraded <= alone and alone - degraded <= first_alone(0) | first_alone(in_memory), sorted(alone)
+    first = first_steps_alone(alone, 0) | first_steps_alone(alone, in_memory)
+    assert degraded <= alone and alone - degraded <= first, sorted(alone)
     # the replacements restored a committed checkpoint (never the partial one of SAVE_KILL_STEP), then healed
     restored = {e["replica"]: e["resumed_from"] for e in by_kind["replica_start"]}
     assert restored.keys() == {0, 1} and restored[1] < joined[1] and SAVE_KILL_STEP - 4 <= restored[0] < joined[0]
